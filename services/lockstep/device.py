@@ -1,0 +1,47 @@
+"""The one place that decides which device a rank computes on and which collective backend it uses.
+
+Everything else receives a `torch.device`; nothing else looks at CUDA or the environment, so a CPU test
+run and a GPU pod differ in exactly one function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE_ENV = "LOCKSTEP_DEVICE"
+
+
+def pick_device(local_rank: int = 0) -> torch.device:
+    """CUDA (one GPU per local rank) when present, else CPU; `LOCKSTEP_DEVICE` overrides both."""
+    if local_rank < 0:
+        raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+    wanted = os.environ.get(DEVICE_ENV, "").strip()
+    if wanted:
+        try:
+            device = torch.device(wanted)
+        except RuntimeError as e:
+            raise ValueError(
+                f"{DEVICE_ENV}={wanted!r} is not a device (use 'cpu', 'cuda' or 'cuda:N')") from e
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{DEVICE_ENV}={wanted!r}: only 'cpu' and 'cuda' devices are supported")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"{DEVICE_ENV}={wanted!r} but CUDA is not available on this machine")
+            if device.index is None:
+                device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def dist_backend(device: torch.device | str) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones: the collectives must run where the activations live."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ValueError(f"no collective backend for device type {kind!r}")

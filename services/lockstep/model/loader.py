@@ -1,0 +1,136 @@
+"""Load this rank's shard of a Hugging Face checkpoint, reading only the slices it holds.
+
+A 70B checkpoint is far larger than one rank's memory; `safe_open(...).get_slice` reads just the rows
+or columns a rank keeps, so loading costs each rank its own shard and no more.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lockstep.model.config import ModelConfig
+from lockstep.model.layers import ColumnParallelLinear, RowParallelLinear
+from lockstep.model.llama import LlamaModel
+from lockstep.parallel.comm import Comm
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match what its config.json says the model is."""
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy checkpoint tensor `name` (full shape `shape`), rows or columns [start, start+length) along
+    `dim` (None: the whole tensor), into `param` at `offset` along the same dim."""
+
+    name: str
+    shape: tuple[int, ...]
+    param: torch.Tensor
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    offset: int = 0
+
+
+def _column(prefix: str, names: list[str], layer: ColumnParallelLinear) -> Iterator[Read]:
+    for name, part in zip(names, layer.parts, strict=True):
+        yield Read(f"{prefix}.{name}.weight", (part.total, layer.in_features), layer.weight,
+                   0, part.start, part.length, part.offset)
+        if layer.bias is not None:
+            yield Read(f"{prefix}.{name}.bias", (part.total,), layer.bias,
+                       0, part.start, part.length, part.offset)
+
+
+def _row(name: str, layer: RowParallelLinear) -> Iterator[Read]:
+    yield Read(f"{name}.weight", (layer.out_features, layer.in_total), layer.weight,
+               1, layer.in_start, layer.in_local, 0)
+    if layer.bias is not None:
+        yield Read(f"{name}.bias", (layer.out_features,), layer.bias)
+
+
+def plan_reads(model: LlamaModel) -> list[Read]:
+    """Every checkpoint tensor this shard needs and where each slice goes."""
+    cfg = model.config
+    emb = model.embed_tokens
+    vocab_rows = ((cfg.vocab_size, cfg.hidden_size), emb.weight, 0, emb.vocab_start, emb.vocab_local, 0)
+    reads = [Read("model.embed_tokens.weight", *vocab_rows)]
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        reads.append(Read(f"{p}.input_layernorm.weight", (cfg.hidden_size,), layer.input_layernorm.weight))
+        reads.append(Read(f"{p}.post_attention_layernorm.weight", (cfg.hidden_size,),
+                          layer.post_attention_layernorm.weight))
+        reads += _column(f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], layer.self_attn.qkv_proj)
+        reads += _row(f"{p}.self_attn.o_proj", layer.self_attn.o_proj)
+        reads += _column(f"{p}.mlp", ["gate_proj", "up_proj"], layer.mlp.gate_up_proj)
+        reads += _row(f"{p}.mlp.down_proj", layer.mlp.down_proj)
+    reads.append(Read("model.norm.weight", (cfg.hidden_size,), model.norm.weight))
+    if not model.lm_head.tied:
+        head = model.lm_head
+        reads.append(Read("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), head.weight,
+                          0, head.vocab_start, head.vocab_local, 0))
+    return reads
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors.index.json when present, else from every file's header."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors file")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                where[name] = file
+    return where
+
+
+def load_model(
+    path: str | Path, comm: Comm, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> LlamaModel:
+    """Build this rank's shard of the model in `path` on `device` and fill it from the checkpoint."""
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    with torch.device(device):
+        model = LlamaModel(config, comm)
+    model.to(dtype=dtype)
+    where = _tensor_files(path)
+    with ExitStack() as stack:
+        opened: dict[Path, object] = {}
+        for r in plan_reads(model):
+            file = where.get(r.name)
+            if file is None:
+                raise CheckpointError(
+                    f"checkpoint {path} has no tensor {r.name!r} (expected shape {list(r.shape)})")
+            if file not in opened:
+                if not file.is_file():
+                    raise CheckpointError(f"{r.name!r} is mapped to {file.name}, which is not in {path}")
+                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            sl = opened[file].get_slice(r.name)
+            shape = tuple(sl.get_shape())
+            if shape != r.shape:
+                raise CheckpointError(
+                    f"tensor {r.name!r} in {file.name} has shape {list(shape)}, "
+                    f"but {config.architecture} with this config.json needs {list(r.shape)}")
+            if r.dim is None:
+                part, dst = sl[:], r.param.data
+            elif r.dim == 0:
+                part = sl[r.start: r.start + r.length]
+                dst = r.param.data.narrow(0, r.offset, r.length)
+            else:
+                part = sl[:, r.start: r.start + r.length]
+                dst = r.param.data.narrow(1, r.offset, r.length)
+            dst.copy_(part)
+    return model.eval()

@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParamsMsg(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AdmitMsg(_message.Message):
+    __slots__ = ("request_id", "prefix_keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ChunkMsg(_message.Message):
+    __slots__ = ("request_id", "token_ids", "start", "sample", "sampling", "sample_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    sample: bool
+    sampling: SamplingParamsMsg
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParamsMsg, _Mapping]] = ..., sample_index: _Optional[int] = ...) -> None: ...
+
+class ProbeMsg(_message.Message):
+    __slots__ = ("request_id", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PlanMsg(_message.Message):
+    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    releases: _containers.RepeatedScalarFieldContainer[str]
+    admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
+    batch: _containers.RepeatedCompositeFieldContainer[ChunkMsg]
+    probes: _containers.RepeatedCompositeFieldContainer[ProbeMsg]
+    flush_prefix_cache: bool
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ...) -> None: ...
+
+class ProbeAnswerMsg(_message.Message):
+    __slots__ = ("request_id", "matched_pages", "pinned_pages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    matched_pages: int
+    pinned_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+
+class PoolStateMsg(_message.Message):
+    __slots__ = ("pool", "total", "free", "evictable", "used", "pinned")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    total: int
+    free: int
+    evictable: int
+    used: int
+    pinned: int
+    def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class SampledMsg(_message.Message):
+    __slots__ = ("request_id", "token_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+
+class ReportMsg(_message.Message):
+    __slots__ = ("step", "rank", "sampled", "probes", "pools", "error", "timings")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledMsg]
+    probes: _containers.RepeatedCompositeFieldContainer[ProbeAnswerMsg]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStateMsg]
+    error: str
+    timings: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeAnswerMsg, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStateMsg, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "world_size", "model_id", "page_size", "pool_totals", "max_model_len", "vocab_size", "last_step")
+    class PoolTotalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOTALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    model_id: str
+    page_size: int
+    pool_totals: _containers.ScalarMap[str, int]
+    max_model_len: int
+    vocab_size: int
+    last_step: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_id: _Optional[str] = ..., page_size: _Optional[int] = ..., pool_totals: _Optional[_Mapping[str, int]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...

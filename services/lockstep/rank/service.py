@@ -1,0 +1,223 @@
+"""The rank's gRPC service: plans in from one coordinator stream, carried out strictly in order, reports out.
+
+The servicer is the only place where the network meets the engine, so it is where the step
+protocol's delivery rules live:
+
+- one plan at a time, in step order: plan k+1 is carried out only after plan k, and a plan that
+  skips a step or goes back is refused (its report says which step was expected) instead of run;
+- every plan gets exactly one report, even a refused one, so the coordinator's agreement wait
+  always ends;
+- a plan delivered twice (a coordinator that resends after a reconnect) is answered again from
+  the last report and never executed twice: executing it twice would pin its prefixes twice;
+- an engine exception becomes `Report.error` and the stream goes on; the coordinator decides;
+- a newer Step stream supersedes the older one, which ends ABORTED after the step it is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
+from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
+from lockstep.steps import Plan, Report
+from lockstep.wire import WireError, info_to_proto, plan_from_proto, report_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RankService"].full_name
+STEP_SECONDS = "rank_step_seconds"
+MAX_MESSAGE = 64 << 20  # a plan carries a whole prefill chunk and a long prompt's probe keys
+
+
+class StepEngine(Protocol):
+    """What the servicer needs of an engine: carry out one plan, and say what it serves."""
+
+    def step(self, plan: Plan) -> Report: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
+class _Stream:
+    """One Step stream: the plans its reader thread has received, and why it must end, if it must."""
+
+    _EOF = object()
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.end: tuple[grpc.StatusCode, str] | None = None
+
+    def stop(self, code: grpc.StatusCode, details: str) -> None:
+        self.end = (code, details)
+        self.inbox.put(self._EOF)
+
+    def read(self, requests: Iterator[pb.PlanMsg]) -> None:
+        try:
+            for msg in requests:
+                self.inbox.put(msg)
+        except Exception:  # the RPC ended (cancelled, aborted, broken): nothing more will arrive
+            pass
+        finally:
+            self.inbox.put(self._EOF)
+
+
+class RankServicer(rank_pb2_grpc.RankServiceServicer):
+    """RankService over an engine with one method, `step(plan) -> report`."""
+
+    def __init__(self, rank: int, engine: StepEngine | None = None) -> None:
+        self.rank = rank
+        self._engine = engine
+        self._execute_lock = threading.Lock()
+        self._streams_lock = threading.Lock()
+        self._current: _Stream | None = None
+        self._closed = False
+        self._last_plan: Plan | None = None
+        self._last_report: Report | None = None
+        self.executed = 0
+
+    def attach(self, engine: StepEngine) -> None:
+        """Hand over the engine once it is loaded; until then Step and Info answer UNAVAILABLE."""
+        self._engine = engine
+
+    @property
+    def last_step(self) -> int:
+        """The last step carried out (refused by the engine or not), -1 before the first."""
+        return -1 if self._last_plan is None else self._last_plan.step
+
+    def close(self) -> None:
+        """End every stream after the step it is in, and refuse new ones: the rank is going away."""
+        with self._streams_lock:
+            self._closed = True
+            current, self._current = self._current, None
+        if current is not None:
+            current.stop(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
+        with self._execute_lock:  # wait for the step in flight, if any
+            pass
+
+    def execute(self, plan: Plan) -> Report:
+        """Carry out one plan under the delivery rules above; always returns its report."""
+        with self._execute_lock:
+            return self._execute(plan)
+
+    def _execute(self, plan: Plan) -> Report:
+        last = self._last_plan
+        if last is not None and plan.step == last.step:
+            if plan == last:
+                log.info(
+                    "rank %d: step %d delivered again; answering from the last report", self.rank, plan.step
+                )
+                return self._last_report
+            return self._refuse(plan, f"step {plan.step} was already carried out with a different plan")
+        if last is not None and plan.step != last.step + 1:
+            return self._refuse(
+                plan, f"out of order: expected step {last.step + 1} (or {last.step} again), got {plan.step}"
+            )
+        t0 = time.perf_counter()
+        try:
+            report = self._engine.step(plan)
+            if report.step != plan.step or report.rank != self.rank:
+                raise RuntimeError(
+                    f"engine answered plan {plan.step} with a report of step {report.step}"
+                    f" from rank {report.rank}"
+                )
+        except Exception as e:
+            log.exception("rank %d: step %d failed", self.rank, plan.step)
+            report = Report(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
+        report.timings[STEP_SECONDS] = time.perf_counter() - t0
+        self._last_plan, self._last_report = plan, report
+        self.executed += 1
+        return report
+
+    def _refuse(self, plan: Plan, why: str) -> Report:
+        log.error("rank %d: refusing plan %d: %s", self.rank, plan.step, why)
+        return Report(step=plan.step, rank=self.rank, error=why)
+
+    def _open(self, context: grpc.ServicerContext) -> _Stream:
+        if self._engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is still loading its engine")
+        stream = _Stream()
+        with self._streams_lock:
+            if self._closed:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
+            old, self._current = self._current, stream
+        if old is not None:
+            log.warning("rank %d: a new Step stream supersedes the old one", self.rank)
+            old.stop(grpc.StatusCode.ABORTED, "superseded by a newer Step stream to this rank")
+        return stream
+
+    def Step(
+        self, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
+    ) -> Iterator[pb.ReportMsg]:
+        stream = self._open(context)
+        threading.Thread(
+            target=stream.read, args=(request_iterator,), daemon=True, name="plan-reader"
+        ).start()
+        while True:
+            msg = stream.inbox.get()
+            if stream.end is not None:
+                context.abort(*stream.end)
+            if msg is _Stream._EOF:
+                return
+            try:
+                plan = plan_from_proto(msg)
+            except WireError as e:
+                yield report_to_proto(Report(step=msg.step, rank=self.rank, error=f"bad plan: {e}"))
+                continue
+            with self._execute_lock:
+                if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
+                    context.abort(*stream.end)
+                report = self._execute(plan)
+            yield report_to_proto(report)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.RankInfo:
+        if self._engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is still loading its engine")
+        try:
+            return info_to_proto(self._engine.info(), last_step=self.last_step)
+        except Exception as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"rank {self.rank} cannot describe itself: {e}")
+
+
+class RankServer:
+    """The rank's gRPC server: RankService plus grpc.health.v1, NOT_SERVING until `set_serving(True)`."""
+
+    def __init__(self, servicer: RankServicer, address: str, max_workers: int = 8) -> None:
+        self.servicer = servicer
+        self.health = health.HealthServicer()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
+        )
+        rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"cannot bind the rank's gRPC server to {address}: {e}") from e
+        if self.port == 0:
+            raise OSError(f"cannot bind the rank's gRPC server to {address}")
+        self.set_serving(False)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def stop(self, grace: float = 1.0) -> None:
+        """NOT_SERVING first, then end the streams after their step, then stop the server."""
+        self.set_serving(False)
+        self.servicer.close()
+        self.server.stop(grace).wait()

@@ -1,0 +1,250 @@
+"""Text to token ids and back, for the coordinator.
+
+The coordinator tokenizes every prompt and detokenizes every streamed token, but never runs the
+model, so this module imports no torch and no transformers: `tokenizers` for the vocabulary and
+`jinja2` (sandboxed, configured as Hugging Face configures it) for chat templates. The directory
+layout it reads is a Hugging Face checkpoint's, and its results match transformers' `AutoTokenizer`
+on the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _BackendTokenizer
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# How many already-emitted tokens an incremental decode keeps in front of the new ones: some
+# decoders (Metaspace, WordPiece) render a token differently at the start of a string.
+_DECODE_CONTEXT = 5
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or a serialized AddedToken."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"a special token must be a string or an AddedToken object, not {value!r}")
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return set(value)
+    raise ValueError(f"eos_token_id must be an int or a list of ints, not {value!r}")
+
+
+def _select_template(value: Any) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or a list of named templates (use 'default')."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    raise ValueError(f"chat_template must be a string or a list of named templates, "
+                     f"not {type(value).__name__}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change what the model sees.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """Templates are untrusted code from a checkpoint, so they run sandboxed and immutable."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from e
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode, decode, chat template, and the ids that end a generation."""
+
+    def __init__(self, backend: _BackendTokenizer, special_tokens: dict[str, str | None],
+                 chat_template: str | None, eos_token_ids: set[int], source: str = "<memory>"):
+        self._backend = backend
+        self._source = source
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self.eos_token_ids: set[int] = set(eos_token_ids)
+        self.bos_token_id: int | None = self._id_of(special_tokens.get("bos_token"))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json and the eos ids of generation_config/config.
+
+        Whether encode() adds bos/eos is tokenizer.json's post-processor alone: transformers 5
+        ignores tokenizer_config.json's add_bos_token/add_eos_token when tokenizer.json exists.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{path} has no tokenizer.json (a Hugging Face fast-tokenizer file is required)")
+        try:
+            backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises a bare Exception on malformed files
+            raise ValueError(f"cannot load {tokenizer_file}: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        special = {name: _token_content(config.get(name)) for name in _SPECIAL_NAMES}
+
+        template = _select_template(config.get("chat_template"))
+        template_file = path / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+
+        eos_ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            eos_ids |= _as_id_set(_read_json(path / name).get("eos_token_id"))
+        tokenizer = cls(backend, special, template, eos_ids, source=str(path))
+        eos_id = tokenizer._id_of(special.get("eos_token"))
+        if eos_id is not None:
+            tokenizer.eos_token_ids.add(eos_id)
+        return tokenizer
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included (the model's vocab may be padded larger)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode a string, not {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        self._check_ids(ids)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        limit = self.vocab_size
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
+                raise ValueError(f"token id {i!r} is outside the vocabulary [0, {limit})")
+
+    def incremental_decoder(self, prompt_ids: Iterable[int] = (),
+                            skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, prompt_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on."""
+        if self.chat_template is None:
+            raise ValueError(f"the tokenizer in {self._source} has no chat template "
+                             "(tokenizer_config.json has no 'chat_template' and there is no "
+                             "chat_template.jinja)")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of objects with 'role' and 'content'")
+        template = _compile_template(self.chat_template)
+        variables = {name: token for name, token in self.special_tokens.items() if token is not None}
+        variables.update(kwargs)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template rejected the conversation: {e}") from e
+        except (TypeError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"the chat template failed on the conversation: {type(e).__name__}: {e}") from e
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces whose concatenation equals `decode` of them all.
+
+    A byte-level token can end in the middle of a multi-byte character; the piece is held back
+    until the character is complete, so a client never receives a replacement character that the
+    full decode would not have. Decoding starts a few tokens before the new ones because some
+    decoders render a token differently at the start of a string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)
+        tokenizer._check_ids(self._ids)
+        self._read = len(self._ids)
+        self._prefix = max(self._read - _DECODE_CONTEXT, 0)
+        # A prompt given as ids may end inside a character that the generated bytes complete: those
+        # last prompt tokens belong to the first piece (a character spans at most 4 byte tokens).
+        for _ in range(3):
+            if self._read == 0 or not self._window(self._read).endswith("\ufffd"):
+                break
+            self._read -= 1
+            self._prefix = min(self._prefix, self._read)
+
+    def _window(self, end: int) -> str:
+        return self._tokenizer._backend.decode(self._ids[self._prefix:end], skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (possibly empty)."""
+        self._tokenizer._check_ids([token_id])
+        self._ids.append(token_id)
+        before = self._window(self._read)
+        after = self._window(len(self._ids))
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._read = len(self._ids)
+        self._prefix = max(self._read - _DECODE_CONTEXT, 0)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (an unfinished character decodes as U+FFFD)."""
+        before = self._window(self._read)
+        after = self._window(len(self._ids))
+        self._read = len(self._ids)
+        self._prefix = max(self._read - _DECODE_CONTEXT, 0)
+        return after[len(before):]

@@ -1,0 +1,217 @@
+"""Plans and reports to and from their protobuf messages: the one translation at the services' edges.
+
+The cores speak `lockstep.steps`; only the rank and coordinator services see protobuf. Every field
+crosses both ways unchanged (`x == from_proto(to_proto(x))`), so nothing a rank decides on can be
+lost or rounded in transit. A message that cannot be a plan (a negative step, a chunk without
+tokens, a page key that is not bytes) raises `WireError` naming the field, on either side, so a bad
+plan is refused as a whole instead of being half carried out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
+from lockstep.steps import (
+    Admit,
+    Chunk,
+    Plan,
+    PoolState,
+    Probe,
+    ProbeAnswer,
+    Report,
+    Sampled,
+    SamplingParams,
+)
+
+INFO_FIELDS = ("rank", "world_size", "model_id", "page_size", "pools", "max_model_len", "vocab_size")
+
+
+class WireError(ValueError):
+    """A message that does not translate: the text names the step and the field."""
+
+
+def _keys(keys: Iterable[bytes], where: str) -> list[bytes]:
+    keys = list(keys)
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            raise WireError(f"{where}[{i}]: page keys are bytes, got {type(key).__name__}")
+        if not key:
+            raise WireError(f"{where}[{i}]: empty page key")
+    return keys
+
+
+def _request_id(request_id: str, where: str) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise WireError(f"{where}: request_id must be a non-empty string, got {request_id!r}")
+    return request_id
+
+
+def _check_chunk(chunk: Chunk, where: str) -> None:
+    _request_id(chunk.request_id, where)
+    if not chunk.token_ids:
+        raise WireError(f"{where} ({chunk.request_id!r}): a chunk needs at least one token")
+    if chunk.start < 0:
+        raise WireError(f"{where} ({chunk.request_id!r}): start must be >= 0, got {chunk.start}")
+    if chunk.sample_index < 0:
+        raise WireError(
+            f"{where} ({chunk.request_id!r}): sample_index must be >= 0, got {chunk.sample_index}"
+        )
+    negative = [t for t in chunk.token_ids if t < 0]
+    if negative:
+        raise WireError(f"{where} ({chunk.request_id!r}): token ids must be >= 0, got {negative[0]}")
+
+
+def _check_plan(plan: Plan) -> None:
+    if plan.step < 0:
+        raise WireError(f"plan step must be >= 0, got {plan.step}")
+    where = f"plan {plan.step}"
+    for i, rid in enumerate(plan.releases):
+        _request_id(rid, f"{where} releases[{i}]")
+    for i, admit in enumerate(plan.admits):
+        _request_id(admit.request_id, f"{where} admits[{i}]")
+        _keys(admit.prefix_keys, f"{where} admits[{i}].prefix_keys")
+    for i, chunk in enumerate(plan.batch):
+        _check_chunk(chunk, f"{where} batch[{i}]")
+    for i, probe in enumerate(plan.probes):
+        _request_id(probe.request_id, f"{where} probes[{i}]")
+        _keys(probe.keys, f"{where} probes[{i}].keys")
+
+
+def plan_to_proto(plan: Plan) -> pb.PlanMsg:
+    """The message the coordinator sends every rank for one step."""
+    _check_plan(plan)
+    try:
+        msg = pb.PlanMsg(
+            step=plan.step,
+            releases=list(plan.releases),
+            flush_prefix_cache=plan.flush_prefix_cache,
+        )
+        for admit in plan.admits:
+            msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
+        for chunk in plan.batch:
+            s = chunk.sampling
+            c = msg.batch.add(
+                request_id=chunk.request_id,
+                token_ids=list(chunk.token_ids),
+                start=chunk.start,
+                sample=chunk.sample,
+                sample_index=chunk.sample_index,
+            )
+            c.sampling.temperature = s.temperature
+            c.sampling.top_p = s.top_p
+            c.sampling.top_k = s.top_k
+            if s.seed is not None:
+                c.sampling.seed = s.seed
+        for probe in plan.probes:
+            msg.probes.add(request_id=probe.request_id, keys=list(probe.keys))
+    except (TypeError, ValueError) as e:
+        raise WireError(f"plan {plan.step} does not fit its message: {e}") from e
+    return msg
+
+
+def plan_from_proto(msg: pb.PlanMsg) -> Plan:
+    """The plan a rank carries out; raises WireError for a message that cannot be a plan."""
+    batch = []
+    for c in msg.batch:
+        s = c.sampling
+        batch.append(
+            Chunk(
+                request_id=c.request_id,
+                token_ids=tuple(c.token_ids),
+                start=c.start,
+                sample=c.sample,
+                sampling=SamplingParams(
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    seed=s.seed if s.HasField("seed") else None,
+                )
+                if c.HasField("sampling")
+                else SamplingParams(),
+                sample_index=c.sample_index,
+            )
+        )
+    plan = Plan(
+        step=msg.step,
+        releases=tuple(msg.releases),
+        admits=tuple(Admit(a.request_id, tuple(a.prefix_keys)) for a in msg.admits),
+        batch=tuple(batch),
+        probes=tuple(Probe(p.request_id, tuple(p.keys)) for p in msg.probes),
+        flush_prefix_cache=msg.flush_prefix_cache,
+    )
+    _check_plan(plan)
+    return plan
+
+
+def report_to_proto(report: Report) -> pb.ReportMsg:
+    """The message a rank answers one plan with."""
+    try:
+        msg = pb.ReportMsg(step=report.step, rank=report.rank, error=report.error)
+        for s in report.sampled:
+            msg.sampled.add(request_id=s.request_id, token_id=s.token_id)
+        for p in report.probes:
+            msg.probes.add(
+                request_id=p.request_id, matched_pages=p.matched_pages, pinned_pages=p.pinned_pages
+            )
+        for p in report.pools:
+            msg.pools.add(
+                pool=p.pool, total=p.total, free=p.free, evictable=p.evictable, used=p.used, pinned=p.pinned
+            )
+        for name, seconds in report.timings.items():
+            msg.timings[name] = seconds
+    except (TypeError, ValueError) as e:
+        raise WireError(
+            f"report of step {report.step} from rank {report.rank} does not fit its message: {e}"
+        ) from e
+    return msg
+
+
+def report_from_proto(msg: pb.ReportMsg) -> Report:
+    """The report the coordinator decides from."""
+    return Report(
+        step=msg.step,
+        rank=msg.rank,
+        sampled=[Sampled(s.request_id, s.token_id) for s in msg.sampled],
+        probes=[ProbeAnswer(p.request_id, p.matched_pages, p.pinned_pages) for p in msg.probes],
+        pools=[PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned) for p in msg.pools],
+        error=msg.error,
+        timings=dict(msg.timings),
+    )
+
+
+def info_to_proto(info: Mapping[str, Any], last_step: int = -1) -> pb.RankInfo:
+    """A rank's `Engine.info()` (keys INFO_FIELDS; `pools` maps pool name to total pages) as RankInfo."""
+    missing = [k for k in INFO_FIELDS if k not in info]
+    if missing:
+        raise WireError(
+            f"engine info lacks {', '.join(missing)} (has {', '.join(sorted(info)) or 'nothing'})"
+        )
+    try:
+        return pb.RankInfo(
+            rank=info["rank"],
+            world_size=info["world_size"],
+            model_id=info["model_id"],
+            page_size=info["page_size"],
+            pool_totals=dict(info["pools"]),
+            max_model_len=info["max_model_len"],
+            vocab_size=info["vocab_size"],
+            last_step=last_step,
+        )
+    except (TypeError, ValueError) as e:
+        raise WireError(f"engine info does not fit RankInfo: {e}") from e
+
+
+def info_from_proto(msg: pb.RankInfo) -> dict[str, Any]:
+    """RankInfo back to the engine's dict, plus `last_step` (-1 before the rank's first step)."""
+    return {
+        "rank": msg.rank,
+        "world_size": msg.world_size,
+        "model_id": msg.model_id,
+        "page_size": msg.page_size,
+        "pools": dict(msg.pool_totals),
+        "max_model_len": msg.max_model_len,
+        "vocab_size": msg.vocab_size,
+        "last_step": msg.last_step,
+    }

@@ -1,0 +1,117 @@
+"""Tiny random Hugging Face checkpoints, made at test time, with a real tokenizer that fits the vocab.
+
+Kinds (all fp32, hidden 64, vocab 384):
+- "llama_gqa": Llama, 4 heads / 2 KV heads, llama3 RoPE scaling, saved in several safetensors shards
+  with an index (so sharded loading is exercised).
+- "qwen2_bias_tied": Qwen2 (q/k/v bias) with tied embeddings.
+- "sliding": Qwen2 with sliding_window 8 and layer_types mixing sliding and full attention, and a single
+  KV head (replicated across ranks at TP 2).
+Weights are drawn so that norms and biases are far from their defaults: a bug that ignores a bias or a
+norm weight changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 384
+HIDDEN = 64
+BOS, EOS = "<s>", "</s>"
+SPECIALS = [BOS, EOS, "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TEXT = """Lockstep serves a language model split across ranks by tensor parallelism.
+Every rank holds its own shard of the weights and its own paged cache of keys and values.
+The coordinator decides, once, what every rank admits, skips, evicts and computes at each step.
+A page holds the keys and values of sixteen tokens; pages are chained by hashes of their tokens.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!
+How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow.
+0123456789 + - * / = ( ) [ ] { } < > ; : , . ? ! ' " @ # $ % ^ & _ ~ `
+"""
+KINDS = ("llama_gqa", "qwen2_bias_tied", "sliding")
+
+
+def _tokenizer(path: Path) -> tuple[int, int]:
+    """Train a byte-level BPE of exactly VOCAB tokens; write tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 4, trainer=trainer)
+    filler = VOCAB - tok.get_vocab_size()
+    if filler > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(filler)])
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 512,
+    }, indent=2))
+    return bos, eos
+
+
+def _config(kind: str, bos: int, eos: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=HIDDEN, intermediate_size=128, vocab_size=VOCAB, num_attention_heads=4,
+        max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=None,
+    )
+    if kind == "llama_gqa":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope, **common)
+    if kind == "qwen2_bias_tied":
+        return Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if kind == "sliding":
+        return Qwen2Config(
+            num_hidden_layers=3, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common)
+    raise ValueError(f"unknown checkpoint kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def make_checkpoint(kind: str, path: Path) -> Path:
+    """Write checkpoint `kind` into directory `path` (made if needed) and return it; reuses a finished one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    done = path / ".complete"
+    if done.is_file() and done.read_text() == kind:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    bos, eos = _tokenizer(path)
+    config = _config(kind, bos, eos)
+    gen = torch.Generator().manual_seed(KINDS.index(kind) + 1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    shard = "40KB" if kind == "llama_gqa" else "50MB"
+    model.save_pretrained(path, max_shard_size=shard)
+    done.write_text(kind)
+    return path

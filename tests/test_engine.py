@@ -1,0 +1,154 @@
+"""The in-process engine API: plans in, reports out, at TP 1 in this process and TP 2 in two processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep.engine import Engine
+from lockstep.kv.page_keys import key_salt, page_keys
+from lockstep.local_group import LocalGroup
+from lockstep.steps import Admit, Chunk, Plan, Probe
+
+PS = 16
+
+
+def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+class Driver:
+    """A minimal plan writer for tests: admit, prefill in one chunk, greedy decode, release."""
+
+    def __init__(self, step_fn, salt: bytes) -> None:
+        self.step_fn = step_fn
+        self.salt = salt
+        self.step = 0
+
+    def send(self, plan_kwargs: dict):
+        reports = self.step_fn(Plan(step=self.step, **plan_kwargs))
+        self.step += 1
+        return reports if isinstance(reports, list) else [reports]
+
+    def keys(self, tokens: list[int]) -> tuple[bytes, ...]:
+        return tuple(page_keys(tokens, PS, self.salt))
+
+    def probe(self, rid: str, tokens: list[int]):
+        reports = self.send({"probes": (Probe(rid, self.keys(tokens)),)})
+        return [r.probes[0] for r in reports]
+
+    def generate(self, rid: str, tokens: list[int], n: int, cached_pages: int = 0) -> list[list[int]]:
+        """Greedy-generate n tokens; returns the tokens each rank reported (they must agree)."""
+        start = cached_pages * PS
+        admit = Admit(rid, self.keys(tokens)[:cached_pages])
+        chunk = Chunk(rid, tuple(tokens[start:]), start, sample=True)
+        reports = self.send({"admits": (admit,), "batch": (chunk,)})
+        assert all(not r.error for r in reports), [r.error for r in reports]
+        out = [[r.sampled[0].token_id] for r in reports]
+        pos = len(tokens)
+        for i in range(1, n):
+            chunk = Chunk(rid, (out[0][-1],), pos, sample=True, sample_index=i)
+            reports = self.send({"batch": (chunk,)})
+            for mine, r in zip(out, reports, strict=True):
+                mine.append(r.sampled[0].token_id)
+            pos += 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    torch.set_num_threads(2)
+    return Engine.create(tiny_llama, page_size=PS, kv_pages=64)
+
+
+def test_greedy_matches_transformers(engine, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    d = Driver(engine.step, engine.salt)
+    p = prompt(1, 37)
+    ours = d.generate("a", p, 12)[0]
+    d.send({"releases": ("a",)})
+    theirs = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+    assert ours == theirs
+    stats = engine.pool.stats()
+    assert stats.used == 0 and stats.free + stats.evictable == stats.total
+
+
+def test_cached_prefix_gives_same_tokens_and_skips_pages(engine, tiny_llama):
+    d = Driver(engine.step, engine.salt)
+    first = prompt(2, 40)
+    d.generate("warm", first, 2)
+    d.send({"releases": ("warm",)})
+    second = first[:32] + prompt(3, 9)
+    (answer,) = d.probe("b", second)
+    assert answer.matched_pages == 2 and answer.pinned_pages == 0
+    cached = d.generate("b", second, 8, cached_pages=2)[0]
+    d.send({"releases": ("b",)})
+    cold = Engine.create(tiny_llama, page_size=PS, kv_pages=64, prefix_caching=False)
+    uncached = Driver(cold.step, cold.salt).generate("b", second, 8)[0]
+    assert cached == uncached
+
+
+def test_pin_beyond_match_is_refused_and_engine_survives(engine):
+    d = Driver(engine.step, engine.salt)
+    p = prompt(4, 33)
+    d.generate("c", p, 1)
+    d.send({"releases": ("c",)})
+    (answer,) = d.probe("d", p)
+    assert answer.matched_pages == 2
+    before = engine.pool.stats()
+    keys = d.keys(p + prompt(5, 16))
+    (report,) = d.send({"admits": (Admit("d", keys[:3]),), "batch": (Chunk("d", tuple(p[48:] or [1]), 48),)})
+    assert "asked to pin 3 prefix pages but the index holds only the first 2" in report.error
+    assert engine.pool.stats().used == before.used == 0
+    assert d.generate("d", p, 2, cached_pages=2)[0]
+    d.send({"releases": ("d",)})
+
+
+def test_duplicate_plan_is_answered_not_executed(engine):
+    p = prompt(6, 20)
+    plan = Plan(step=10_000, admits=(Admit("e"),), batch=(Chunk("e", tuple(p), 0, sample=True),))
+    first = engine.step(plan)
+    used = engine.pool.stats().used
+    again = engine.step(plan)
+    assert again is first and engine.pool.stats().used == used == 2
+    engine.step(Plan(step=10_001, releases=("e",)))
+    assert engine.pool.stats().used == 0
+
+
+def test_tp2_refusal_on_one_rank_is_taken_by_the_group(tiny_llama):
+    """Rank 1 has a smaller pool: a step it cannot take is refused by both ranks, and nothing hangs."""
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=[64, 3]) as group:
+        salt = key_salt(group.infos[0]["model_id"], PS)
+        d = Driver(group.step, salt)
+        big = prompt(7, 70)
+        reports = d.send({"admits": (Admit("f"),), "batch": (Chunk("f", tuple(big), 0, sample=True),)})
+        assert reports[1].error and "rank 1" in reports[1].error
+        assert reports[0].error
+        assert [r.pools[0].used for r in reports] == [0, 0]
+        small = prompt(8, 20)
+        out = d.generate("g", small, 6)
+        assert out[0] == out[1]
+        d.send({"releases": ("g",)})
+
+
+def test_tp2_flushed_rank_answers_its_own_match(tiny_llama):
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
+        salt = key_salt(group.infos[0]["model_id"], PS)
+        d = Driver(group.step, salt)
+        p = prompt(9, 40)
+        d.generate("h", p, 1)
+        d.send({"releases": ("h",)})
+        group.step([Plan(step=d.step), Plan(step=d.step, flush_prefix_cache=True)])
+        d.step += 1
+        answers = d.probe("i", p)
+        assert [a.matched_pages for a in answers] == [2, 0]
+        keys = d.keys(p)
+        reports = d.send({"admits": (Admit("i", keys[:2]),), "batch": (Chunk("i", tuple(p[32:]), 32),)})
+        assert all(r.error for r in reports)
+        assert [r.pools[0].used for r in reports] == [0, 0]
+        out = d.generate("i", p, 4)
+        assert out[0] == out[1]
+        d.send({"releases": ("i",)})

@@ -1,0 +1,240 @@
+"""The coordinator's tokenizer against transformers' AutoTokenizer on the same directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockstep.tokenizer import IncrementalDecoder, Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!",
+    "Lockstep serves a language model split across ranks; every rank agrees on every step.",
+    "café, naïve, résumé, über, señor, façade, déjà vu",
+    "numbers 0123456789 and symbols + - * / = ( ) [ ] { } < > ; : , . ? !",
+    "Hello world\n\n  indented line\ttab",
+]
+# Each line is a block tag on its own, indented: trim_blocks/lstrip_blocks decide every newline.
+CHAT_TEMPLATE = """{% if messages[0]['role'] != 'system' %}
+{{ bos_token }}system
+You are terse.{{ eos_token }}
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+{{ bos_token + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}
+{% endfor %}
+{% if add_generation_prompt %}
+{{ bos_token }}assistant
+{% endif %}"""
+TEXTS = [
+    "The quick brown fox",
+    "  two leading spaces, and trailing  ",
+    "café résumé déjà vu über",
+    "emoji 🎉🚀 and 日本語 and Ωmega",
+    "<|im_start|>user\nhello<|im_end|>",
+    "digits 31415926 and\n\nnewlines\r\n",
+    "",
+]
+
+
+def _train(path: Path, config: dict) -> Path:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # A small vocabulary: accented letters, emoji and CJK stay split into single bytes.
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 3, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = _train(tmp_path_factory.mktemp("tok"), {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True, "lstrip": False,
+                      "rstrip": False, "normalized": False, "single_word": False},
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+    })
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours(tok_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(tok_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(ours: Tokenizer, hf, text: str) -> None:
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == hf.encode(text, add_special_tokens=special)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_tokens_and_sizes(ours: Tokenizer, hf) -> None:
+    assert ours.vocab_size == len(hf) == 320
+    assert ours.bos_token == "<|im_start|>" and ours.eos_token == "<|im_end|>"
+    assert ours.encode("<|im_end|>") == [2]  # an added token is matched whole, never cut into bytes
+    assert ours.decode(ours.encode("a<|im_end|>b")) == "ab"
+    # eos from tokenizer_config (2) united with generation_config's list (0, 2)
+    assert ours.eos_token_ids == {0, 2}
+
+
+def test_bos_eos_follow_tokenizer_json_like_transformers(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    # The config's add_bos_token=False is overruled by tokenizer.json's post-processor, as in transformers 5.
+    path = _train(tmp_path / "bos", {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                     "add_bos_token": False})
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>", special_tokens=[("<|im_start|>", 1), ("<|im_end|>", 2)])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    ours, hf = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(str(path))
+    ids = ours.encode("The fox")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert ids == hf.encode("The fox")
+    assert ours.encode("The fox", add_special_tokens=False) == hf.encode("The fox", add_special_tokens=False)
+    assert ours.bos_token_id == 1
+    assert ours.eos_token_ids == {0, 2}
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours: Tokenizer, hf, generation_prompt: bool) -> None:
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🎉"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "café?"}],
+    ]
+    for messages in conversations:
+        text = ours.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        assert text == hf.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=generation_prompt)
+        assert ours.encode(text, add_special_tokens=False) == hf.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False)
+    # The stripped block tags leave no stray indentation or blank lines.
+    assert ours.apply_chat_template(conversations[0]) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+        "<|im_end|>\n\n<|im_start|>assistant\n")
+
+
+def test_template_errors_are_value_errors(ours: Tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="list of objects"):
+        ours.apply_chat_template("hello")  # type: ignore[arg-type]
+    bare = Tokenizer.from_dir(_train(tmp_path / "bare", {"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+    broken = _train(tmp_path / "broken", {"chat_template": "{% for m in messages %}{{ m }"})
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer.from_dir(broken).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_template_is_sandboxed(tmp_path: Path) -> None:
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    tok = Tokenizer.from_dir(_train(tmp_path / "evil", {"chat_template": escape}))
+    with pytest.raises(ValueError):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_bad_input_errors(ours: Tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ours.decode([5, 320])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ours.decode([-1])
+    with pytest.raises(ValueError, match="only encode a string"):
+        ours.encode(["a"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    path = _train(tmp_path / "badcfg", {})
+    (path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        Tokenizer.from_dir(path)
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None) -> list[str]:
+    decoder = IncrementalDecoder(tok, prompt or [])
+    pieces = [decoder.add(i) for i in ids]
+    return pieces + [decoder.flush()]
+
+
+@pytest.mark.parametrize("text", ["emoji 🎉🚀 done", "café déjà vu über", "日本語のテキスト", "Ωmega → ∞ 🇫🇷"])
+def test_incremental_decoder_never_splits_a_character(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text, add_special_tokens=False)
+    # The case is real: some single tokens of this text are not whole characters on their own.
+    assert any("\ufffd" in ours.decode([i]) for i in ids)
+    pieces = _stream(ours, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text == ours.decode(ids)
+    # With a prompt in front, only the new text comes out.
+    prompt = ours.encode("The fox says ", add_special_tokens=False)
+    assert "".join(_stream(ours, ids, prompt)) == text
+
+
+def test_incremental_decoder_skips_special_tokens(ours: Tokenizer) -> None:
+    ids = ours.encode("<|im_start|>hi 🎉<|im_end|>", add_special_tokens=False)
+    assert "".join(_stream(ours, ids)) == "hi 🎉" == ours.decode(ids)
+    keep = IncrementalDecoder(ours, skip_special_tokens=False)
+    kept = "".join([keep.add(i) for i in ids] + [keep.flush()])
+    assert kept == ours.decode(ids, skip_special_tokens=False) == "<|im_start|>hi 🎉<|im_end|>"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 319), max_size=40), prompt=st.lists(st.integers(0, 319), max_size=8))
+def test_incremental_decoder_concatenation_equals_decode(ours: Tokenizer, ids: list[int],
+                                                         prompt: list[int]) -> None:
+    pieces = _stream(ours, ids, prompt)
+    joined, full = "".join(pieces), ours.decode(prompt + ids)
+    # The pieces are exactly the text the generated ids add to the prompt's text. When the prompt ends
+    # inside a character that the generated bytes complete, that character comes out whole.
+    starts = [len(prompt)] if not ours.decode(prompt).endswith("\ufffd") else range(
+        max(len(prompt) - 3, 0), len(prompt) + 1)
+    assert any(full == ours.decode(prompt[:k]) + joined for k in starts)
+    # A piece that would end in an unfinished character is held back; only flush() may end in one.
+    assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+
+
+def test_incremental_decoder_completes_a_character_begun_in_the_prompt(ours: Tokenizer) -> None:
+    ids = ours.encode("Ω", add_special_tokens=False)
+    assert len(ids) == 2  # two byte tokens
+    decoder = IncrementalDecoder(ours, ids[:1])
+    assert decoder.add(ids[1]) == "Ω"
+
+
+def test_no_torch_or_transformers_import(tok_dir: Path) -> None:
+    code = ("import sys; from lockstep.tokenizer import Tokenizer; "
+            f"t = Tokenizer.from_dir({str(tok_dir)!r}); "
+            "t.apply_chat_template([{'role': 'user', 'content': 'x'}]); "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

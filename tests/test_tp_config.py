@@ -1,0 +1,237 @@
+"""Configurations and TP sizes the model cannot serve are refused before any weight is read, with a
+message that names the problem; checkpoints that do not match their config name the tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import lockstep.model.loader as loader
+from lockstep.model.config import ModelConfig, UnsupportedModelError
+from lockstep.model.llama import LlamaModel
+from lockstep.model.loader import CheckpointError, load_model
+from lockstep.parallel.comm import Comm, single_comm
+from lockstep.parallel.sharding import TPConfigError, check_tp_size, kv_head_start, valid_tp_sizes
+
+BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 384}
+SMOLLM2 = {**BASE, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}
+
+
+def cfg(**changes) -> ModelConfig:
+    return ModelConfig.from_hf({**BASE, **changes})
+
+
+def test_builtin_model_shape_allows_tp_1_and_3():
+    config = ModelConfig.from_hf(SMOLLM2)
+    assert valid_tp_sizes(config) == [1, 3]
+    check_tp_size(config, 3)
+    with pytest.raises(TPConfigError, match=r"does not divide the attention heads \(9\).*work: 1, 3$"):
+        check_tp_size(config, 2)
+
+
+@pytest.mark.parametrize(("changes", "tp", "named"), [
+    ({}, 3, "the attention heads (4)"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, 2, "the KV heads (3"),
+    ({"intermediate_size": 130}, 4, "the MLP width (130)"),
+    ({"vocab_size": 385}, 2, "the vocabulary (385)"),
+])
+def test_tp_size_that_does_not_divide_is_named(changes, tp, named):
+    with pytest.raises(TPConfigError) as e:
+        check_tp_size(cfg(**changes), tp)
+    assert named in str(e.value)
+    assert "TP sizes that work: 1" in str(e.value)
+
+
+def test_kv_heads_replicate_when_tp_is_a_multiple_of_them():
+    config = cfg()
+    check_tp_size(config, 4)
+    assert [kv_head_start(config, r, 4) for r in range(4)] == [0, 0, 1, 1]
+    assert [kv_head_start(config, r, 2) for r in range(2)] == [0, 1]
+    for bad in (0, -1, 8):
+        with pytest.raises(TPConfigError):
+            check_tp_size(config, bad)
+
+
+def test_model_refuses_a_tp_size_before_building():
+    with pytest.raises(TPConfigError, match="tensor-parallel size 3"):
+        LlamaModel(cfg(), Comm(0, 3))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"architectures": ["GPT2LMHeadModel"]},
+     "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
+     "MistralForCausalLM"),
+    ({"architectures": None, "model_type": "gemma"}, "architecture model_type='gemma' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads (3)"),
+    ({"num_hidden_layers": None}, "config.json has no 'num_hidden_layers'"),
+])
+def test_unsupported_configs_are_refused(changes, message):
+    d = {**BASE, **changes}
+    d = {k: v for k, v in d.items() if v is not None}
+    with pytest.raises(UnsupportedModelError) as e:
+        ModelConfig.from_hf(d)
+    assert message in str(e.value)
+
+
+def test_family_switches_are_read():
+    llama = cfg(attention_bias=True, rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0},
+                sliding_window=16)
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, False)
+    assert llama.rope_theta == 5e5 and llama.rope_scaling.rope_type == "linear"
+    assert llama.rope_scaling.factor == 2.0
+    assert llama.window(0) is None  # Llama has no sliding window, whatever the config says
+    qwen = cfg(architectures=["Qwen2ForCausalLM"], sliding_window=16, use_sliding_window=False,
+               tie_word_embeddings=True)
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+    assert qwen.sliding_window is None and qwen.layer_types == ("full_attention",) * 2
+    hybrid = cfg(architectures=["Qwen2ForCausalLM"], sliding_window=16, use_sliding_window=True,
+                 layer_types=["sliding_attention", "full_attention"])
+    assert [hybrid.window(i) for i in range(2)] == [16, None]
+    mistral = cfg(architectures=["MistralForCausalLM"], sliding_window=16, head_dim=32)
+    assert [mistral.window(i) for i in range(2)] == [16, 16] and mistral.head_dim == 32
+    l3 = cfg(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    assert l3.rope_scaling.rope_type == "llama3" and l3.rope_scaling.original_max_position_embeddings == 8192
+    with pytest.raises(UnsupportedModelError, match="layer_types has 3 entries for 2 layers"):
+        cfg(architectures=["Qwen2ForCausalLM"], layer_types=["full_attention"] * 3)
+
+
+def test_from_dir_merges_generation_config_eos(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2, "bos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.eos_token_ids == (2, 7) and config.bos_token_id == 1
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path / "missing")
+
+
+@pytest.fixture
+def qwen_copy(checkpoint_dir, tmp_path):
+    src = checkpoint_dir("qwen2_bias_tied")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_is_named(qwen_copy):
+    tensors = load_file(qwen_copy / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, qwen_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no tensor 'model.layers.1.self_attn.k_proj.bias' \(expected "
+                                              r"shape \[32\]\)"):
+        load_model(qwen_copy, single_comm(), "cpu")
+
+
+def test_wrong_shape_is_named(qwen_copy):
+    tensors = load_file(qwen_copy / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(120, 64)
+    save_file(tensors, qwen_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.up_proj.weight' in model.safetensors has "
+                                              r"shape \[120, 64\], .* needs \[128, 64\]"):
+        load_model(qwen_copy, single_comm(), "cpu")
+
+
+def test_untied_checkpoint_without_lm_head_is_refused(qwen_copy):
+    config = json.loads((qwen_copy / "config.json").read_text())
+    (qwen_copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):
+        load_model(qwen_copy, single_comm(), "cpu")
+
+
+def test_a_rank_reads_only_its_slices(checkpoint_dir, monkeypatch):
+    """Rank 1 of 2 loads exactly its rows/columns (read through get_slice, never a whole sharded tensor)."""
+    path = checkpoint_dir("llama_gqa")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
+    reads: list[tuple[str, object]] = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __enter__(self):
+            handle = self.inner.__enter__()
+
+            class Handle:
+                def keys(self):
+                    return handle.keys()
+
+                def get_slice(self, name):
+                    sl = handle.get_slice(name)
+
+                    class Slice:
+                        def get_shape(self):
+                            return sl.get_shape()
+
+                        def __getitem__(self, key):
+                            reads.append((name, key))
+                            return sl[key]
+
+                    return Slice()
+
+                def get_tensor(self, name):
+                    raise AssertionError(f"{name} read whole")
+
+            return Handle()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: Recording(safe_open(*a, **k)))
+    model = load_model(path, Comm(1, 2), "cpu")
+    by_name = dict(reads)
+    assert by_name["model.layers.0.self_attn.q_proj.weight"] == slice(32, 64)
+    assert by_name["model.layers.0.self_attn.k_proj.weight"] == slice(16, 32)
+    assert by_name["model.layers.1.mlp.down_proj.weight"] == (slice(None), slice(64, 128))
+    assert by_name["lm_head.weight"] == slice(192, 384)
+
+    full = {}
+    for f in path.glob("*.safetensors"):
+        full.update(load_file(f))
+    attn = model.layers[1].self_attn
+    q, k, v = attn.qkv_proj.weight.split(attn.qkv_proj.split_sizes())
+    assert torch.equal(q, full["model.layers.1.self_attn.q_proj.weight"][32:64])
+    assert torch.equal(v, full["model.layers.1.self_attn.v_proj.weight"][16:32])
+    assert torch.equal(attn.o_proj.weight, full["model.layers.1.self_attn.o_proj.weight"][:, 32:64])
+    assert torch.equal(model.embed_tokens.weight, full["model.embed_tokens.weight"][192:])
+
+
+def test_sharded_checkpoint_loads_without_its_index(checkpoint_dir, tmp_path):
+    src = checkpoint_dir("llama_gqa")
+    dst = tmp_path / "no_index"
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors.index.json").unlink()
+    a = load_model(src, single_comm(), "cpu").state_dict()
+    b = load_model(dst, single_comm(), "cpu").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_device_and_backend_choice(monkeypatch):
+    from lockstep.device import dist_backend, pick_device
+    from lockstep.parallel.comm import parse_rendezvous
+
+    monkeypatch.setenv("LOCKSTEP_DEVICE", "cpu")
+    assert pick_device(3) == torch.device("cpu")
+    assert dist_backend(pick_device()) == "gloo" and dist_backend("cuda:1") == "nccl"
+    monkeypatch.setenv("LOCKSTEP_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="LOCKSTEP_DEVICE='tpu'"):
+        pick_device()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("LOCKSTEP_DEVICE", "cuda")
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            pick_device()
+    assert parse_rendezvous("rank-0.g0:29500") == ("rank-0.g0", 29500)
+    assert parse_rendezvous("[::1]:29500") == ("::1", 29500)
+    for bad in ("localhost", "host:", "host:99999", ":29500"):
+        with pytest.raises(ValueError, match="is not 'host:port'"):
+            parse_rendezvous(bad)
+    with pytest.raises(ValueError, match="rank 2 is not in a group of world size 2"):
+        Comm(2, 2)

@@ -1,0 +1,159 @@
+"""Plans and reports survive the wire unchanged, and what cannot be a plan is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
+from lockstep.steps import (
+    Admit,
+    Chunk,
+    Plan,
+    PoolState,
+    Probe,
+    ProbeAnswer,
+    Report,
+    Sampled,
+    SamplingParams,
+)
+from lockstep.wire import (
+    WireError,
+    info_from_proto,
+    info_to_proto,
+    plan_from_proto,
+    plan_to_proto,
+    report_from_proto,
+    report_to_proto,
+)
+
+I64 = 2**63 - 1
+ids = st.text(min_size=1, max_size=12)
+keys = st.lists(st.binary(min_size=1, max_size=32), max_size=6).map(tuple)
+counts = st.integers(0, I64)
+finite = st.floats(allow_nan=False)
+
+sampling = st.builds(
+    SamplingParams,
+    temperature=finite,
+    top_p=finite,
+    top_k=st.integers(-(2**63), I64),
+    seed=st.none() | st.integers(-(2**63), I64),
+)
+chunks = st.builds(
+    Chunk,
+    request_id=ids,
+    token_ids=st.lists(st.integers(0, I64), min_size=1, max_size=20).map(tuple),
+    start=counts,
+    sample=st.booleans(),
+    sampling=sampling,
+    sample_index=counts,
+)
+plans = st.builds(
+    Plan,
+    step=counts,
+    releases=st.lists(ids, max_size=4).map(tuple),
+    admits=st.lists(st.builds(Admit, request_id=ids, prefix_keys=keys), max_size=4).map(tuple),
+    batch=st.lists(chunks, max_size=4).map(tuple),
+    probes=st.lists(st.builds(Probe, request_id=ids, keys=keys), max_size=4).map(tuple),
+    flush_prefix_cache=st.booleans(),
+)
+reports = st.builds(
+    Report,
+    step=counts,
+    rank=st.integers(0, 1024),
+    sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64)), max_size=4),
+    probes=st.lists(st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts), max_size=4),
+    pools=st.lists(
+        st.builds(PoolState, pool=st.text(), total=counts, free=counts, evictable=counts, used=counts, pinned=counts),
+        max_size=3,
+    ),
+    error=st.text(),
+    timings=st.dictionaries(st.text(), finite, max_size=4),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans)
+def test_plan_round_trip_is_lossless(plan):
+    wire = pb.PlanMsg.FromString(plan_to_proto(plan).SerializeToString())
+    back = plan_from_proto(wire)
+    assert back == plan
+    assert all(type(k) is bytes for a in back.admits for k in a.prefix_keys)
+    assert isinstance(back.batch, tuple) and all(isinstance(c.token_ids, tuple) for c in back.batch)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reports)
+def test_report_round_trip_is_lossless(report):
+    wire = pb.ReportMsg.FromString(report_to_proto(report).SerializeToString())
+    assert report_from_proto(wire) == report
+
+
+def test_seed_none_and_seed_zero_stay_apart():
+    for seed in (None, 0, 7):
+        chunk = Chunk("r", (1,), 0, sample=True, sampling=SamplingParams(0.7, 0.9, 40, seed))
+        back = plan_from_proto(plan_to_proto(Plan(step=1, batch=(chunk,))))
+        assert back.batch[0].sampling.seed == seed
+
+
+def test_chunk_without_sampling_message_is_greedy():
+    msg = pb.PlanMsg(step=3, batch=[pb.ChunkMsg(request_id="r", token_ids=[5, 6], start=2)])
+    plan = plan_from_proto(msg)
+    assert plan.batch[0].sampling == SamplingParams()
+    assert plan == Plan(step=3, batch=(Chunk("r", (5, 6), 2),))
+
+
+def test_empty_message_is_the_default_plan():
+    assert plan_from_proto(pb.PlanMsg()) == Plan(step=0)
+    assert report_from_proto(pb.ReportMsg()) == Report(step=0, rank=0)
+
+
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        (Plan(step=-1), "step must be >= 0, got -1"),
+        (Plan(step=2, admits=(Admit("r", ("ab",)),)), "admits[0].prefix_keys[0]: page keys are bytes, got str"),
+        (Plan(step=2, probes=(Probe("r", (b"k", b"")),)), "probes[0].keys[1]: empty page key"),
+        (Plan(step=2, batch=(Chunk("r", (), 0),)), "batch[0] ('r'): a chunk needs at least one token"),
+        (Plan(step=2, batch=(Chunk("r", (1,), -3),)), "start must be >= 0, got -3"),
+        (Plan(step=2, batch=(Chunk("r", (1, -5), 0),)), "token ids must be >= 0, got -5"),
+        (Plan(step=2, releases=("",)), "releases[0]: request_id must be a non-empty string"),
+        (Plan(step=2, batch=(Chunk("r", (2**64,), 0),)), "plan 2 does not fit its message"),
+    ],
+)
+def test_bad_plans_are_refused_by_name(plan, words):
+    with pytest.raises(WireError) as e:
+        plan_to_proto(plan)
+    assert words in str(e.value)
+
+
+def test_bad_plan_from_the_wire_is_refused():
+    msg = pb.PlanMsg(step=9, batch=[pb.ChunkMsg(request_id="r", start=0)])
+    with pytest.raises(WireError, match=r"plan 9 batch\[0\] \('r'\): a chunk needs at least one token"):
+        plan_from_proto(msg)
+    with pytest.raises(WireError, match="request_id must be a non-empty string"):
+        plan_from_proto(pb.PlanMsg(step=1, probes=[pb.ProbeMsg(keys=[b"k"])]))
+
+
+def test_report_that_does_not_fit_names_step_and_rank():
+    report = Report(step=4, rank=1, pools=[PoolState("full", 2**64, 0, 0, 0)])
+    with pytest.raises(WireError, match="report of step 4 from rank 1 does not fit"):
+        report_to_proto(report)
+
+
+def test_info_round_trip_and_missing_fields():
+    info = {
+        "rank": 1,
+        "world_size": 3,
+        "model_id": "smollm2",
+        "page_size": 16,
+        "pools": {"full": 4096, "sliding": 512},
+        "max_model_len": 8192,
+        "vocab_size": 49152,
+    }
+    back = info_from_proto(pb.RankInfo.FromString(info_to_proto(info, last_step=41).SerializeToString()))
+    assert back == {**info, "last_step": 41}
+    with pytest.raises(WireError, match="engine info lacks max_model_len, vocab_size"):
+        info_to_proto({k: v for k, v in info.items() if k not in ("max_model_len", "vocab_size")})
