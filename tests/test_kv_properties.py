@@ -199,7 +199,10 @@ class KvMachine(RuleBasedStateMachine):
         if ok:
             req.indexed[pos] = page
             self.committed[key] = req.tokens[: (pos + 1) * PS]
-            assert self.pool.stats().pinned == pinned_before + 1
+            after = self.pool.stats()
+            assert after.pinned == pinned_before + 1
+            assert self.pool.commit(owner, page, key), "recommitting a page under its own key is a no-op"
+            assert self.pool.stats() == after
         else:
             assert self.pool.stats().pinned == pinned_before
 

@@ -141,3 +141,9 @@ def test_bad_arguments_are_refused() -> None:
         next_key(b"x", [1], SALT)
     with pytest.raises(ValueError, match="at least one token"):
         next_key(None, [], SALT)
+
+
+def test_numpy_token_ids_give_the_same_keys() -> None:
+    np = pytest.importorskip("numpy")
+    tokens = list(range(40, 56))
+    assert page_keys(np.array(tokens, dtype=np.int64), 4, SALT) == page_keys(tokens, 4, SALT)

@@ -374,7 +374,7 @@ def _wait_for_health(channel: grpc.Channel, want: int, deadline: float) -> list[
 
 def test_rank_process_health_then_sigterm_exits_cleanly():
     port = _free_port()
-    proc = _start_rank(port, load_seconds=1.5)
+    proc = _start_rank(port, load_seconds=5.0)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         seen = _wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)

@@ -45,9 +45,10 @@ def key_salt(model_id: str, page_size: int, namespace: str = "") -> bytes:
 
 
 def _encode_tokens(tokens: Sequence[int]) -> bytes:
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise ValueError(f"token at index {i} is {t!r}, not an int")
+    if not set(map(type, tokens)) <= {int}:
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(f"token at index {i} is {t!r}, not an int")
     try:
         return struct.pack(f"<{len(tokens)}I", *tokens)
     except struct.error:

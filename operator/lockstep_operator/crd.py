@@ -1,0 +1,289 @@
+"""The LockstepDeployment CustomResourceDefinition, built in Python.
+
+This is the single source of the resource's schema: the chart's `crds/` file is generated from it
+(`python -m lockstep_operator.crd > helm/lockstep/crds/lockstepdeployments.yaml`, checked by a test),
+and the operator's own defaults (`resource.py`) are read from it, so the API server, the chart and
+the operator can never disagree on a default or a range.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import yaml
+
+GROUP = "lockstep.dev"
+VERSION = "v1alpha1"
+PLURAL = "lockstepdeployments"
+KIND = "LockstepDeployment"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+Schema = dict[str, Any]
+
+
+def _int(minimum: int | None = None, maximum: int | None = None, default: int | None = None,
+         description: str = "") -> Schema:
+    s: Schema = {"type": "integer"}
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    if default is not None:
+        s["default"] = default
+    if description:
+        s["description"] = description
+    return s
+
+
+def _num(minimum: float, maximum: float | None = None, default: float | None = None,
+         exclusive_minimum: bool = False, description: str = "") -> Schema:
+    s: Schema = {"type": "number", "minimum": minimum}
+    if exclusive_minimum:
+        s["exclusiveMinimum"] = True
+    if maximum is not None:
+        s["maximum"] = maximum
+    if default is not None:
+        s["default"] = default
+    if description:
+        s["description"] = description
+    return s
+
+
+def _str(default: str | None = None, enum: list[str] | None = None, description: str = "",
+         min_length: int | None = None) -> Schema:
+    s: Schema = {"type": "string"}
+    if enum is not None:
+        s["enum"] = enum
+    if default is not None:
+        s["default"] = default
+    if min_length is not None:
+        s["minLength"] = min_length
+    if description:
+        s["description"] = description
+    return s
+
+
+def _obj(properties: dict[str, Schema], default: Any = None, description: str = "",
+         required: list[str] | None = None) -> Schema:
+    s: Schema = {"type": "object", "properties": properties}
+    if default is not None:
+        s["default"] = default
+    if required:
+        s["required"] = required
+    if description:
+        s["description"] = description
+    return s
+
+
+def _opaque(kind: str, description: str) -> Schema:
+    """A field holding a core Kubernetes type, passed through to the pod spec as given."""
+    if kind == "array":
+        return {"type": "array", "description": description,
+                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _quantities(description: str) -> Schema:
+    return {"type": "object", "description": description,
+            "additionalProperties": {"anyOf": [{"type": "integer"}, {"type": "string"}],
+                                     "x-kubernetes-int-or-string": True}}
+
+
+def _resources(default: Schema, description: str) -> Schema:
+    return _obj({"requests": _quantities("Minimum resources."),
+                 "limits": _quantities("Maximum resources.")}, default=default, description=description)
+
+
+def spec_schema() -> Schema:
+    """The openAPIV3Schema of `.spec`."""
+    model = _obj(
+        {
+            "builtin": {"type": "boolean", "default": False,
+                        "description": "Serve the built-in SmolLM2-135M-Instruct (TP 1 or 3)."},
+            "path": _str(description="Checkpoint directory inside the container (image or extra volume)."),
+            "pvc": _obj({"claimName": _str(min_length=1, description="The claim holding the model."),
+                         "path": _str(default="", description="Checkpoint directory inside the claim."),
+                         "readOnly": {"type": "boolean", "default": True}},
+                        required=["claimName"]),
+            "servedModelName": _str(description="Name in /v1/models (default: the directory's name)."),
+        },
+        default={"builtin": True},
+        description="Where the checkpoint comes from: exactly one of builtin, path, pvc.",
+    )
+    model["x-kubernetes-validations"] = [{
+        "rule": "(self.builtin ? 1 : 0) + (has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
+        "message": "model must set exactly one of builtin: true, path, pvc",
+    }]
+    spec = _obj(
+        {
+            "image": _str(default="ghcr.io/lockstep-dev/lockstep:0.1.0", min_length=1,
+                          description="Image with the `lockstep` command."),
+            "imagePullPolicy": _str(default="IfNotPresent", enum=["Always", "IfNotPresent", "Never"]),
+            "imagePullSecrets": _opaque("array", "LocalObjectReferences for private registries."),
+            "model": model,
+            "tensorParallelSize": _int(1, 64, 1, "Ranks per group (pods per StatefulSet)."),
+            "groups": _int(0, 256, 1, "Data-parallel replicas: one StatefulSet each."),
+            "resources": _resources({"limits": {"nvidia.com/gpu": 1}}, "Per-rank resources."),
+            "kvCache": _obj(
+                {
+                    "pageSize": _int(1, 1024, 16, "Tokens per KV page."),
+                    "memoryFraction": _num(0, 1, 0.9, exclusive_minimum=True,
+                                           description="Share of free device memory for KV pages."),
+                    "pages": _int(0, None, 0, "KV pages per pool; 0 uses memoryFraction."),
+                    "prefixCaching": {"type": "boolean", "default": True},
+                },
+                default={},
+            ),
+            "scheduler": _obj(
+                {
+                    "maxNumBatchedTokens": _int(1, None, 512, "Token budget per step."),
+                    "maxNumSeqs": _int(1, None, 64, "Running requests per group."),
+                },
+                default={},
+            ),
+            "agreement": _obj(
+                {
+                    "stallThresholdSeconds": _num(0, None, 5, exclusive_minimum=True,
+                                                  description="A longer agreement wait is stalled."),
+                    "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
+                                                   description="A rank silent this long is dead."),
+                },
+                default={},
+            ),
+            "coordinator": _obj(
+                {
+                    "serviceType": _str(default="ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]),
+                    "httpPort": _int(1, 65535, 8000),
+                    "grpcPort": _int(1, 65535, 8001),
+                    "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
+                                            "Coordinator resources (it runs no model)."),
+                },
+                default={},
+            ),
+            "networkPolicy": {"type": "boolean", "default": True,
+                              "description": "Only the coordinator and the group's ranks reach a rank."},
+            "clusterDomain": _str(default="cluster.local", min_length=1),
+            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "tolerations": _opaque("array", "Tolerations for rank pods."),
+            "affinity": _opaque("object", "Affinity for rank pods."),
+            "env": _opaque("array", "Extra EnvVars for every container."),
+            "volumes": _opaque("array", "Extra Volumes for rank and coordinator pods."),
+            "volumeMounts": _opaque("array", "Extra VolumeMounts for every container."),
+        },
+    )
+    spec["x-kubernetes-validations"] = [{
+        "rule": "!self.model.builtin || self.tensorParallelSize in [1, 3]",
+        "message": "the built-in model (9 attention heads, 3 KV heads) needs tensorParallelSize 1 or 3",
+    }, {
+        "rule": "self.coordinator.httpPort != self.coordinator.grpcPort",
+        "message": "coordinator.httpPort and coordinator.grpcPort must differ",
+    }]
+    return spec
+
+
+def status_schema() -> Schema:
+    condition = _obj({
+        "type": _str(enum=["Ready", "Progressing", "Degraded"]),
+        "status": _str(enum=["True", "False", "Unknown"]),
+        "reason": _str(),
+        "message": _str(),
+        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "observedGeneration": {"type": "integer"},
+    }, required=["type", "status"])
+    group = _obj({
+        "name": _str(),
+        "ready": {"type": "boolean"},
+        "readyRanks": {"type": "integer"},
+        "restarts": {"type": "integer"},
+        "pendingRecreate": {"type": "boolean"},
+    }, required=["name"])
+    return _obj({
+        "phase": _str(enum=["Pending", "Progressing", "Ready", "Degraded"]),
+        "observedGeneration": {"type": "integer"},
+        "replicas": {"type": "integer", "description": "Groups that exist (the scale subresource)."},
+        "readyGroups": {"type": "integer"},
+        "selector": _str(description="Label selector of the rank pods (the scale subresource)."),
+        "endpoint": _str(),
+        "groups": {"type": "array", "items": group},
+        "conditions": {"type": "array", "items": condition,
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    })
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object, ready to apply."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": PLURAL, "singular": "lockstepdeployment", "kind": KIND,
+                      "listKind": f"{KIND}List", "shortNames": ["lsd"], "categories": ["lockstep"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A tensor-parallel LLM served by groups of lockstep ranks.",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema() | {"default": {}},
+                        "status": status_schema(),
+                    },
+                }},
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.groups", "statusReplicasPath": ".status.replicas",
+                              "labelSelectorPath": ".status.selector"},
+                },
+                "additionalPrinterColumns": [
+                    {"name": "TP", "type": "integer", "jsonPath": ".spec.tensorParallelSize"},
+                    {"name": "Groups", "type": "integer", "jsonPath": ".spec.groups"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyGroups"},
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the chart ships it (byte-for-byte what a test compares the chart's file with)."""
+    header = "# Generated by `python -m lockstep_operator.crd`; edit operator/lockstep_operator/crd.py.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def strict_schema(schema: Schema | None = None) -> Schema:
+    """The CR schema with unknown fields refused, as `kubectl apply` (field validation Strict) does.
+
+    The API server prunes unknown fields of a structural schema; kubectl's default strict field
+    validation turns that pruning into an error. Plain jsonschema needs additionalProperties: false to
+    do the same, added here to every object that lists its properties and preserves nothing else.
+    """
+    if schema is None:
+        schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    out = copy.deepcopy(schema)
+
+    def walk(s: Schema, top: bool) -> None:
+        if "properties" in s and not s.get("x-kubernetes-preserve-unknown-fields"):
+            if not top:
+                s["additionalProperties"] = False
+            for sub in s["properties"].values():
+                walk(sub, False)
+        if isinstance(s.get("items"), dict):
+            walk(s["items"], False)
+
+    walk(out, True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

@@ -1,0 +1,298 @@
+"""Pure builders: a LockstepDeployment (name, namespace, normalized spec) in, manifest dicts out.
+
+Nothing here talks to a cluster, so every object the operator can create is testable (and validated
+against the Kubernetes schemas) without one. Ownership (`kopf.adopt`) is added by the handlers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from lockstep_operator.crd import GROUP
+
+RANK_GRPC_PORT = 50051
+RANK_STORE_PORT = 29500
+MODEL_MOUNT = "/models"
+CACHE_MOUNT = "/cache"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_GROUP = f"{GROUP}/group"
+ANNOTATION_HASH = f"{GROUP}/template-hash"
+
+Manifest = dict[str, Any]
+
+
+def group_name(name: str, index: int) -> str:
+    """StatefulSet and headless Service of group `index` (pinned in DESIGN.md)."""
+    return f"{name}-g{index}"
+
+
+def coordinator_name(name: str) -> str:
+    return f"{name}-coordinator"
+
+
+def selector(name: str, component: str, group: str | None = None) -> dict[str, str]:
+    labels = {LABEL_NAME: "lockstep", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+    if group is not None:
+        labels[LABEL_GROUP] = group
+    return labels
+
+
+def _labels(name: str, component: str, group: str | None = None) -> dict[str, str]:
+    return selector(name, component, group) | {LABEL_MANAGED_BY: "lockstep-operator"}
+
+
+def rank_selector_string(name: str) -> str:
+    """The label selector of every rank pod of a deployment (the scale subresource's selector)."""
+    return ",".join(f"{k}={v}" for k, v in selector(name, "rank").items())
+
+
+def rank_host(name: str, namespace: str, index: int, rank: int, cluster_domain: str) -> str:
+    """The stable DNS name of one rank pod, through its group's headless Service."""
+    g = group_name(name, index)
+    return f"{g}-{rank}.{g}.{namespace}.svc.{cluster_domain}"
+
+
+def groups_env(name: str, namespace: str, spec: dict[str, Any]) -> str:
+    """LOCKSTEP_GROUPS for the coordinator: `g0=h:p,h:p;g1=...`, ranks in rank order."""
+    groups = []
+    for i in range(spec["groups"]):
+        hosts = [f"{rank_host(name, namespace, i, r, spec['clusterDomain'])}:{RANK_GRPC_PORT}"
+                 for r in range(spec["tensorParallelSize"])]
+        groups.append(f"g{i}=" + ",".join(hosts))
+    return ";".join(groups)
+
+
+def _env(pairs: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"name": k, "value": v} for k, v in pairs.items()]
+
+
+def _model_env_and_mounts(spec: dict[str, Any]) -> tuple[str, list[Manifest], list[Manifest]]:
+    """LOCKSTEP_MODEL, the volumes and the mounts that put the checkpoint where it says."""
+    model = spec["model"]
+    volumes: list[Manifest] = [{"name": "cache", "emptyDir": {}}]
+    mounts: list[Manifest] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
+    if model["builtin"]:
+        path = "builtin"
+    elif "pvc" in model:
+        pvc = model["pvc"]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"],
+                                                                   "readOnly": pvc["readOnly"]}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc["readOnly"]})
+        path = f"{MODEL_MOUNT}/{pvc['path'].strip('/')}".rstrip("/")
+    else:
+        path = model["path"]
+    volumes += spec.get("volumes", [])
+    mounts += spec.get("volumeMounts", [])
+    return path, volumes, mounts
+
+
+def _common_env(spec: dict[str, Any], model_path: str) -> dict[str, str]:
+    env = {
+        "LOCKSTEP_MODEL": model_path,
+        "LOCKSTEP_PAGE_SIZE": str(spec["kvCache"]["pageSize"]),
+        "LOCKSTEP_PREFIX_CACHING": "1" if spec["kvCache"]["prefixCaching"] else "0",
+        "XDG_CACHE_HOME": CACHE_MOUNT,
+    }
+    return env
+
+
+def _pod_extras(spec: dict[str, Any]) -> Manifest:
+    extras: Manifest = {}
+    for key in ("nodeSelector", "tolerations", "affinity", "imagePullSecrets"):
+        if spec.get(key):
+            extras[key] = spec[key]
+    return extras
+
+
+def template_hash(template: Manifest) -> str:
+    """A short digest of a pod template: a group whose pods carry another one must be rolled."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rank_pod_template(name: str, namespace: str, spec: dict[str, Any], index: int) -> Manifest:
+    """The pod of one rank of group `index`; its rank is the StatefulSet pod index."""
+    g = group_name(name, index)
+    model_path, volumes, mounts = _model_env_and_mounts(spec)
+    rendezvous = rank_host(name, namespace, index, 0, spec["clusterDomain"])
+    env = _env(_common_env(spec, model_path) | {
+        "LOCKSTEP_WORLD_SIZE": str(spec["tensorParallelSize"]),
+        "LOCKSTEP_RENDEZVOUS": f"{rendezvous}:{RANK_STORE_PORT}",
+        "LOCKSTEP_HOST": "0.0.0.0",
+        "LOCKSTEP_GRPC_PORT": str(RANK_GRPC_PORT),
+        "LOCKSTEP_KV_PAGES": str(spec["kvCache"]["pages"]),
+        "LOCKSTEP_KV_MEMORY_FRACTION": str(spec["kvCache"]["memoryFraction"]),
+    })
+    env.insert(0, {"name": "LOCKSTEP_POD_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
+    env += spec.get("env", [])
+    grpc_probe = {"grpc": {"port": RANK_GRPC_PORT}}
+    container = {
+        "name": "rank",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["lockstep", "rank"],
+        "env": env,
+        "ports": [{"name": "grpc", "containerPort": RANK_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "store", "containerPort": RANK_STORE_PORT, "protocol": "TCP"}],
+        "resources": spec["resources"],
+        "startupProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 90},
+        "readinessProbe": grpc_probe | {"periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    template: Manifest = {
+        "metadata": {"labels": _labels(name, "rank", g)},
+        "spec": {
+            "containers": [container],
+            "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+            "terminationGracePeriodSeconds": 30,
+            "enableServiceLinks": False,
+        } | _pod_extras(spec),
+    }
+    template["metadata"]["annotations"] = {ANNOTATION_HASH: template_hash(template)}
+    return template
+
+
+def group_statefulset(name: str, namespace: str, spec: dict[str, Any], index: int) -> Manifest:
+    """One group: TP pods started together (Parallel) and replaced only as a whole (OnDelete)."""
+    g = group_name(name, index)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "spec": {
+            "serviceName": g,
+            "replicas": spec["tensorParallelSize"],
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": selector(name, "rank", g)},
+            "template": rank_pod_template(name, namespace, spec, index),
+        },
+    }
+
+
+def group_service(name: str, namespace: str, index: int) -> Manifest:
+    """Headless, and publishing not-ready pods: ranks must resolve each other before they are ready."""
+    g = group_name(name, index)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(name, "rank", g),
+            "ports": [{"name": "grpc", "port": RANK_GRPC_PORT, "targetPort": RANK_GRPC_PORT},
+                      {"name": "store", "port": RANK_STORE_PORT, "targetPort": RANK_STORE_PORT}],
+        },
+    }
+
+
+def group_network_policy(name: str, namespace: str, index: int) -> Manifest:
+    """The coordinator reaches a rank's gRPC port; the group's own ranks reach every port (collectives)."""
+    g = group_name(name, index)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, "rank", g)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": selector(name, "coordinator")}}],
+                 "ports": [{"protocol": "TCP", "port": RANK_GRPC_PORT}]},
+                {"from": [{"podSelector": {"matchLabels": selector(name, "rank", g)}}]},
+            ],
+        },
+    }
+
+
+def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> Manifest:
+    """One coordinator (Recreate: two coordinators must never drive the same ranks at once)."""
+    coord = spec["coordinator"]
+    model_path, volumes, mounts = _model_env_and_mounts(spec)
+    pairs = _common_env(spec, model_path) | {
+        "LOCKSTEP_GROUPS": groups_env(name, namespace, spec),
+        "LOCKSTEP_HOST": "0.0.0.0",
+        "LOCKSTEP_HTTP_PORT": str(coord["httpPort"]),
+        "LOCKSTEP_GRPC_PORT": str(coord["grpcPort"]),
+        "LOCKSTEP_MAX_BATCHED_TOKENS": str(spec["scheduler"]["maxNumBatchedTokens"]),
+        "LOCKSTEP_MAX_NUM_SEQS": str(spec["scheduler"]["maxNumSeqs"]),
+        "LOCKSTEP_STALL_THRESHOLD_SECONDS": str(spec["agreement"]["stallThresholdSeconds"]),
+        "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS": str(spec["agreement"]["deadRankTimeoutSeconds"]),
+    }
+    if spec["model"].get("servedModelName"):
+        pairs["LOCKSTEP_SERVED_MODEL_NAME"] = spec["model"]["servedModelName"]
+    container = {
+        "name": "coordinator",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["lockstep", "coordinator"],
+        "env": _env(pairs) + spec.get("env", []),
+        "ports": [{"name": "http", "containerPort": coord["httpPort"], "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": coord["grpcPort"], "protocol": "TCP"}],
+        "resources": coord["resources"],
+        # Ready only when every rank of at least one group is up (that is what /health says);
+        # alive as long as it serves HTTP, so a down group never restarts the coordinator.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts,
+    }
+    pod_extras = {k: v for k, v in _pod_extras(spec).items() if k in ("nodeSelector", "imagePullSecrets")}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": coordinator_name(name), "namespace": namespace,
+                     "labels": _labels(name, "coordinator")},
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector(name, "coordinator")},
+            "template": {
+                "metadata": {"labels": _labels(name, "coordinator")},
+                "spec": {"containers": [container], "volumes": volumes,
+                         "enableServiceLinks": False} | pod_extras,
+            },
+        },
+    }
+
+
+def coordinator_service(name: str, namespace: str, spec: dict[str, Any]) -> Manifest:
+    coord = spec["coordinator"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": _labels(name, "coordinator")},
+        "spec": {
+            "type": coord["serviceType"],
+            "selector": selector(name, "coordinator"),
+            "ports": [{"name": "http", "port": coord["httpPort"], "targetPort": "http", "protocol": "TCP"},
+                      {"name": "grpc", "port": coord["grpcPort"], "targetPort": "grpc", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint(name: str, namespace: str, spec: dict[str, Any]) -> str:
+    return f"http://{name}.{namespace}.svc.{spec['clusterDomain']}:{spec['coordinator']['httpPort']}"
+
+
+def group_manifests(name: str, namespace: str, spec: dict[str, Any], index: int) -> list[Manifest]:
+    out = [group_service(name, namespace, index), group_statefulset(name, namespace, spec, index)]
+    if spec["networkPolicy"]:
+        out.append(group_network_policy(name, namespace, index))
+    return out
+
+
+def build_all(name: str, namespace: str, spec: dict[str, Any]) -> list[Manifest]:
+    """Every object of one LockstepDeployment, from a normalized spec (see `resource.normalize`)."""
+    out: list[Manifest] = []
+    for i in range(spec["groups"]):
+        out += group_manifests(name, namespace, spec, i)
+    out += [coordinator_service(name, namespace, spec), coordinator_deployment(name, namespace, spec)]
+    return out

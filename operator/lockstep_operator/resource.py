@@ -1,0 +1,113 @@
+"""A LockstepDeployment's spec: the CRD's defaults applied and its rules checked, in Python.
+
+The API server applies the same defaults and refuses the same specs (the CRD in `crd.py` is the one
+source); the operator checks again because a CR written before a CRD upgrade, or a test that never saw
+an API server, must still fail with a clear message instead of producing broken pods.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from lockstep_operator.crd import Schema, spec_schema
+
+BUILTIN_TP_SIZES = (1, 3)
+
+
+class SpecError(ValueError):
+    """A LockstepDeployment spec that cannot be served; the message names the field."""
+
+
+def apply_defaults(schema: Schema, value: Any) -> Any:
+    """Fill in defaults the way the API server does: a missing field with a default gets it, recursively."""
+    if schema.get("type") != "object" or not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for key, sub in schema.get("properties", {}).items():
+        if key not in out and "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+        if key in out:
+            out[key] = apply_defaults(sub, out[key])
+    return out
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
+    "integer": (int,), "number": (int, float),
+}
+
+
+def _check(schema: Schema, value: Any, path: str) -> None:
+    if schema.get("x-kubernetes-int-or-string"):
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise SpecError(f"{path}: must be an integer or a string, got {value!r}")
+        return
+    kind = schema.get("type")
+    if kind and (not isinstance(value, _TYPES[kind]) or (kind != "boolean" and isinstance(value, bool))):
+        raise SpecError(f"{path}: must be of type {kind}, got {value!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise SpecError(f"{path}: must be one of {schema['enum']}, got {value!r}")
+    if "minimum" in schema:
+        low = schema["minimum"]
+        if value < low or (schema.get("exclusiveMinimum") and value == low):
+            relation = "greater than" if schema.get("exclusiveMinimum") else "at least"
+            raise SpecError(f"{path}: must be {relation} {low}, got {value!r}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise SpecError(f"{path}: must be at most {schema['maximum']}, got {value!r}")
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        raise SpecError(f"{path}: must not be empty")
+    if kind == "object":
+        for key in schema.get("required", []):
+            if key not in value:
+                raise SpecError(f"{path}.{key}: is required")
+        props = schema.get("properties")
+        if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            unknown = sorted(set(value) - set(props))
+            if unknown:
+                raise SpecError(f"{path}: unknown field(s) {', '.join(unknown)}")
+            for key, item in value.items():
+                _check(props[key], item, f"{path}.{key}")
+        elif "additionalProperties" in schema:
+            for key, item in value.items():
+                _check(schema["additionalProperties"], item, f"{path}.{key}")
+    if kind == "array" and "items" in schema:
+        for i, item in enumerate(value):
+            _check(schema["items"], item, f"{path}[{i}]")
+
+
+def normalize(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The spec with every default filled in, or SpecError saying what is wrong with it."""
+    schema = spec_schema()
+    full = apply_defaults(schema, dict(spec or {}))
+    _check(schema, full, "spec")
+    model = full["model"]
+    sources = [k for k in ("builtin", "path", "pvc") if (model[k] if k == "builtin" else k in model)]
+    if len(sources) != 1:
+        raise SpecError(f"spec.model: set exactly one of builtin: true, path, pvc (got {sources or 'none'})")
+    if model["builtin"] and full["tensorParallelSize"] not in BUILTIN_TP_SIZES:
+        raise SpecError(f"spec.tensorParallelSize: the built-in model has 9 attention heads and 3 KV heads, "
+                        f"so it must be 1 or 3, got {full['tensorParallelSize']}")
+    if "path" in model and not model["path"].startswith("/"):
+        raise SpecError(f"spec.model.path: must be an absolute path, got {model['path']!r}")
+    coordinator = full["coordinator"]
+    if coordinator["httpPort"] == coordinator["grpcPort"]:
+        raise SpecError("spec.coordinator: httpPort and grpcPort must differ")
+    return full
+
+
+# The longest rank pod name is N-g<255>-<63>, and the StatefulSet controller adds a
+# controller-revision-hash label `N-g<255>-<10 chars>`: both must fit a 63-character label value.
+MAX_NAME_LENGTH = 63 - len("-g255-") - 10
+
+
+def check_name(name: str) -> None:
+    """A LockstepDeployment name that every derived object name and label can be built from."""
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        raise SpecError(f"metadata.name: {name!r} must be a DNS label (lower case, digits, '-'), "
+                        "starting with a letter")
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError(f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} fit "
+                        "the names of its pods")

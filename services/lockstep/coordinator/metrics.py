@@ -1,0 +1,115 @@
+"""The coordinator's Prometheus metrics: every name DESIGN.md pins, and nothing the dashboards do not use.
+
+Each coordinator process owns one registry (not the global one), so tests can run several
+coordinators in one process and `/metrics` shows only this coordinator's series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lockstep.steps import PoolState
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.agreement_wait = Histogram(
+            "lockstep_agreement_wait_seconds", "Time waiting for every rank's answer",
+            ["group", "kind"], buckets=WAIT_BUCKETS, registry=r,
+        )
+        self.agreements_stalled = Gauge(
+            "lockstep_agreements_stalled", "Agreement waits now longer than the stall threshold",
+            ["group"], registry=r,
+        )
+        self.agreement_stalls = Counter(
+            "lockstep_agreement_stalls_total", "Agreement waits that passed the stall threshold",
+            ["group"], registry=r,
+        )
+        self.rank_pages = Gauge(
+            "lockstep_rank_pages", "KV pages per rank and pool by state", ["group", "rank", "pool", "state"],
+            registry=r,
+        )
+        self.free_page_skew = Gauge(
+            "lockstep_free_page_skew_pages", "Max minus min free pages over the ranks of a group",
+            ["group", "pool"], registry=r,
+        )
+        self.prefix_offered = Counter(
+            "lockstep_prefix_offered_pages_total", "Cached prefix pages a rank said it holds when probed",
+            ["group", "rank"], registry=r,
+        )
+        self.prefix_agreed = Counter(
+            "lockstep_prefix_agreed_pages_total", "Prefix pages the group agreed to skip", ["group"], registry=r,
+        )
+        self.admission_deferred = Counter(
+            "lockstep_admission_deferred_total", "Requests not admitted at a step, by reason",
+            ["group", "reason"], registry=r,
+        )
+        self.preemptions = Counter(
+            "lockstep_preemptions_total", "Running requests released for recompute", ["group"], registry=r,
+        )
+        self.requests = Gauge("lockstep_requests", "Requests by state", ["group", "state"], registry=r)
+        self.ttft = Histogram(
+            "lockstep_time_to_first_token_seconds", "Time to first token", ["group"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "lockstep_inter_token_latency_seconds", "Time between two tokens of a request", ["group"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.request_duration = Histogram(
+            "lockstep_request_duration_seconds", "Time from arrival to the last token", ["group"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "lockstep_prompt_tokens_total", "Prompt tokens of finished requests", ["group"], registry=r,
+        )
+        self.generation_tokens = Counter(
+            "lockstep_generation_tokens_total", "Generated tokens", ["group"], registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "lockstep_prefix_cache_hit_tokens_total", "Prompt tokens skipped thanks to the prefix cache",
+            ["group"], registry=r,
+        )
+        self.step_duration = Histogram(
+            "lockstep_step_duration_seconds", "Wall time of one step of a group", ["group"],
+            buckets=WAIT_BUCKETS, registry=r,
+        )
+        self.rank_up = Gauge("lockstep_rank_up", "1 while a rank's stream is up", ["group", "rank"], registry=r)
+        self.rebalances = Counter("lockstep_rebalances_total", "KV pool rebalances", ["group"], registry=r)
+
+    def init_group(self, group: str, ranks: int) -> None:
+        """Create every series of a group at zero, so dashboards and alerts see it before traffic."""
+        for kind in ("step", "prefix", "rebalance"):
+            self.agreement_wait.labels(group, kind)
+        self.agreements_stalled.labels(group).set(0)
+        self.agreement_stalls.labels(group)
+        self.prefix_agreed.labels(group)
+        for reason in ("pages", "max_num_seqs", "token_budget", "probe_pending"):
+            self.admission_deferred.labels(group, reason)
+        self.preemptions.labels(group)
+        for state in ("waiting", "running"):
+            self.requests.labels(group, state).set(0)
+        for hist in (self.ttft, self.itl, self.request_duration, self.step_duration):
+            hist.labels(group)
+        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances):
+            counter.labels(group)
+        for rank in range(ranks):
+            self.rank_up.labels(group, str(rank)).set(0)
+            self.prefix_offered.labels(group, str(rank))
+
+    def observe_pools(self, group: str, pools_by_rank: dict[int, list[PoolState]]) -> None:
+        free_by_pool: dict[str, list[int]] = {}
+        for rank, pools in pools_by_rank.items():
+            for p in pools:
+                for state, value in (("free", p.free), ("evictable", p.evictable), ("used", p.used)):
+                    self.rank_pages.labels(group, str(rank), p.pool, state).set(value)
+                free_by_pool.setdefault(p.pool, []).append(p.free)
+        for pool, frees in free_by_pool.items():
+            self.free_page_skew.labels(group, pool).set(max(frees) - min(frees))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""The coordinator's record of one request: what it asked for and how far the ranks have computed it.
+
+The ranks hold positions [0, num_computed) of the request's tokens (prompt, then generated). Every token
+after that is still to be computed, so a decode is simply a request with one uncomputed token (the one
+sampled last step) and a recompute after preemption is a prefill of prompt + generated.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from lockstep.kv.page_keys import page_keys
+from lockstep.steps import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SEED_MASK = (1 << 63) - 1
+GREEDY = SamplingParams()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def default_seed(request_id: str) -> int:
+    """A seed derived from the request id alone, so every rank and every recompute samples alike."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"lockstep-seed").digest()
+    return int.from_bytes(digest, "little") & SEED_MASK
+
+
+def _token_ids(name: str, tokens: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(tokens)
+    for i, t in enumerate(out):
+        if type(t) is not int or t < 0:
+            raise ValueError(f"{name}[{i}] must be a non-negative int token id, got {t!r}")
+    return out
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {sampling.temperature!r}")
+    if not (0 < sampling.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p!r}")
+    if type(sampling.top_k) is not int or sampling.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {sampling.top_k!r}")
+    if sampling.seed is not None and type(sampling.seed) is not int:
+        raise ValueError(f"seed must be an int or None, got {sampling.seed!r}")
+
+
+class Request:
+    """One request as the scheduler tracks it; the service keeps the object it passed to `add`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams = GREEDY,
+        max_tokens: int = 16,
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = _token_ids("prompt_token_ids", prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id}: the prompt has no tokens")
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"request {request_id}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        _check_sampling(sampling)
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        seed = default_seed(request_id) if sampling.seed is None else sampling.seed
+        self.sampling = replace(sampling, seed=seed)
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(_token_ids("stop_token_ids", stop_token_ids))
+        self.generated: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.error = ""
+        self.num_preemptions = 0
+        self._keys: list[bytes] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={len(self.prompt_token_ids)},"
+            f" generated={len(self.generated)}/{self.max_tokens}, computed={self.num_computed})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.generated)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the ranks hold at most: the last sampled token is never fed back."""
+        return len(self.prompt_token_ids) + self.max_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> tuple[int, ...]:
+        """Tokens [start, end) of prompt + generated."""
+        return (self.prompt_token_ids + tuple(self.generated))[start:end]
+
+    def append(self, token_id: int) -> str | None:
+        """Record a sampled token; returns "stop" or "length" when it ends the request."""
+        if type(token_id) is not int or token_id < 0:
+            raise ValueError(f"request {self.request_id}: sampled token {token_id!r} is not a token id")
+        self.generated.append(token_id)
+        if token_id in self.stop_token_ids:
+            return "stop"
+        if len(self.generated) >= self.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, reason: str, error: str = "") -> None:
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def page_keys(self, num_pages: int, page_size: int, salt: bytes) -> tuple[bytes, ...]:
+        """Keys of the first num_pages full pages; the chain is extended once and kept (tokens only grow)."""
+        if num_pages * page_size > self.num_tokens:
+            raise ValueError(f"request {self.request_id} has {self.num_tokens} tokens, not {num_pages} full pages")
+        have = len(self._keys)
+        if have < num_pages:
+            parent = self._keys[-1] if self._keys else None
+            tokens = self.token_ids(have * page_size, num_pages * page_size)
+            self._keys.extend(page_keys(tokens, page_size, salt, parent))
+        return tuple(self._keys[:num_pages])

@@ -1,0 +1,444 @@
+"""The scheduler: plan k+1 of a group from the reports of step k of every rank.
+
+Continuous batching with chunked prefill under a token budget: running requests first, oldest first,
+then waiting requests in arrival order while they fit on every rank.
+With prefix caching a waiting request is probed in one plan and may be admitted in the next with the
+prefix every rank agreed on. A running request that cannot grow on some rank makes the newest running
+requests give way: they are released everywhere and requeued in front, to be recomputed with their
+generated tokens kept.
+
+Calling protocol (one group, one thread):
+
+    plan = scheduler.plan(k, last_reports)  # reports of the last plan, one per rank ([] before any)
+    ... every rank carries out `plan` and reports ...
+    events = scheduler.apply(reports)       # tokens, finishes, preemptions of step k
+
+Every plan must be carried out and applied before the next one is built. Events decided while
+planning step k (preemptions, requests that can never fit) are returned by apply() of step k.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lockstep.coordinator.admission import AdmissionControl, Decision, pages_for
+from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
+from lockstep.coordinator.request import Request, RequestStatus
+from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
+
+TOKEN = "token"
+FINISHED = "finished"
+PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What happened to one request: a new token, its end (reason, error text) or a preemption."""
+
+    request_id: str
+    kind: str
+    token_id: int | None = None
+    finish_reason: str | None = None
+    error: str = ""
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals for the service's counters (it exports the increments)."""
+
+    preemptions: int = 0
+    deferred: Counter[str] = field(default_factory=Counter)
+    prefix_offered_pages: list[int] = field(default_factory=list)
+    prefix_agreed_pages: int = 0
+    prefix_hit_tokens: int = 0
+    failed_steps: int = 0
+
+
+class Scheduler:
+    """The pure decision core of one group of `ranks` ranks."""
+
+    def __init__(
+        self,
+        page_size: int,
+        salt: bytes,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        ranks: int,
+        prefix_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("page_size", page_size),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("ranks", ranks),
+        ):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(salt, bytes) or not salt:
+            raise ValueError(f"salt must be the bytes of key_salt(), got {salt!r:.80}")
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2 or None, got {max_model_len!r}")
+        self.page_size = page_size
+        self.salt = salt
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.ranks = ranks
+        self.prefix_caching = prefix_caching
+        self.max_model_len = max_model_len
+        self.stats = SchedulerStats(prefix_offered_pages=[0] * ranks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._book = ProbeBook()
+        self._releases: list[str] = []
+        self._events: list[Event] = []
+        self._last_plan: Plan | None = None
+        self._applied: int | None = None
+
+    # ----- requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (FCFS). Its id must not be live; its record is the caller's to read."""
+        if not isinstance(request, Request):
+            raise ValueError(f"add() takes a Request, got {type(request).__name__}")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.generated or request.num_computed:
+            raise ValueError(f"request {request.request_id} was already scheduled ({request!r})")
+        if self.max_model_len is not None and request.max_positions + 1 > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: {len(request.prompt_token_ids)} prompt tokens + max_tokens"
+                f" {request.max_tokens} exceed the model's {self.max_model_len} positions"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> list[Event]:
+        """End a request now; if the ranks hold it, the next plan releases it. Unknown id: no events."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        return [self._finish(req, "abort")]
+
+    def fail_all(self, reason: str) -> list[Event]:
+        """The group went down: end every request with an error and forget the in-flight plan.
+
+        Releases still due stay queued (a rank that comes back drops them; a fresh one ignores them).
+        """
+        events = [self._finish(req, "error", reason) for req in list(self.requests.values())]
+        self._events.clear()
+        self._last_plan = None
+        self._applied = None
+        self._book = ProbeBook()
+        return events
+
+    def requeue_all(self) -> list[Event]:
+        """The group went down but keeps its requests: every running one goes back to the front of the
+        queue, to be recomputed (generated tokens kept) once the group is whole again.
+
+        Like fail_all, it forgets the in-flight plan; the next plan may start from no reports.
+        """
+        events = [self._preempt(req, self._releases, counted=False) for req in reversed(self.running)]
+        self._events.clear()
+        self._last_plan = None
+        self._applied = None
+        self._book = ProbeBook()
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._releases)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ----- planning
+
+    def plan(self, step: int, reports: Sequence[Report], flush: bool = False) -> Plan:
+        """Plan `step` from the reports of the last plan (all ranks; [] before the first report).
+
+        `flush`: some rank drops its prefix cache at this step (after releases, before pins), so nothing
+        is admitted with a cached prefix in it; the probes it answers after the flush are fresh.
+        """
+        reports = self._check_plan_reports(step, reports)
+        releases, self._releases = self._releases, []
+        batch: dict[str, tuple[Chunk, list[int]]] = {}
+        admits: list[Admit] = []
+        if reports:
+            control = AdmissionControl(
+                reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens, len(self.running)
+            )
+            preempted = self._schedule_running(control, batch, releases)
+            if preempted:
+                self.stats.deferred["pages"] += 1
+            else:
+                self._admit_waiting(control, batch, admits, reports[0].step, flush)
+        probes = self._probes(step) if self.prefix_caching else []
+        plan = Plan(
+            step=step,
+            releases=tuple(dict.fromkeys(releases)),
+            admits=tuple(admits),
+            batch=tuple(chunk for chunk, _ in batch.values()),
+            probes=tuple(probes),
+        )
+        self._last_plan = plan
+        return plan
+
+    def _check_plan_reports(self, step: int, reports: Sequence[Report]) -> list[Report]:
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        last = self._last_plan
+        if last is not None and self._applied != last.step:
+            raise ValueError(f"plan {last.step} was not applied: call apply() with its reports first")
+        if last is not None and step <= last.step:
+            raise ValueError(f"step {step} must come after the last planned step {last.step}")
+        if not reports:
+            if last is not None:
+                raise ValueError(f"plan {step} needs the reports of step {last.step}")
+            return []
+        ordered = self._check_reports(reports)
+        if last is not None and ordered[0].step != last.step:
+            raise ValueError(f"plan {step} must be built from the reports of step {last.step}")
+        if ordered[0].step >= step:
+            raise ValueError(f"plan {step} cannot be built from reports of step {ordered[0].step}")
+        return ordered
+
+    def _check_reports(self, reports: Sequence[Report]) -> list[Report]:
+        by_rank: dict[int, Report] = {}
+        for report in reports:
+            if not isinstance(report.rank, int) or not 0 <= report.rank < self.ranks:
+                raise ValueError(f"report from rank {report.rank!r}; this group has ranks 0..{self.ranks - 1}")
+            if report.rank in by_rank:
+                raise ValueError(f"two reports from rank {report.rank}")
+            by_rank[report.rank] = report
+        if len(by_rank) != self.ranks:
+            missing = sorted(set(range(self.ranks)) - by_rank.keys())
+            raise ValueError(f"reports of every rank are needed; ranks {missing} are missing")
+        steps = {r.step for r in reports}
+        if len(steps) != 1:
+            raise ValueError(f"reports of different steps mixed: {sorted(steps)}")
+        return [by_rank[r] for r in range(self.ranks)]
+
+    def _chunk(self, req: Request, n: int) -> Chunk:
+        start = req.num_computed
+        return Chunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids(start, start + n),
+            start=start,
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            sample_index=len(req.generated),
+        )
+
+    def _schedule_running(
+        self, control: AdmissionControl, batch: dict[str, tuple[Chunk, list[int]]], releases: list[str]
+    ) -> bool:
+        """Give every running request its next chunk while it fits; preempt the newest where one cannot
+        grow. Returns whether anything was preempted."""
+        preempted = False
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if self._grow(control, req, batch):
+                continue
+            if control.tokens_left <= 0:
+                continue
+            short = control.shortfall(req.num_computed, req.num_uncomputed)
+            freed = 0
+            while freed < short:
+                victim = self.running[-1]
+                undone = batch.pop(victim.request_id, None)
+                if undone is not None:
+                    chunk, pages = undone
+                    control.give_back(pages, len(chunk.token_ids))
+                freed += pages_for(victim.num_computed, self.page_size)
+                self._events.append(self._preempt(victim, releases))
+                preempted = True
+                if victim is req or self._grow(control, req, batch):
+                    break
+        return preempted
+
+    def _grow(self, control: AdmissionControl, req: Request, batch: dict[str, tuple[Chunk, list[int]]]) -> bool:
+        before = list(control.headroom)
+        n = control.grow(req.num_computed, req.num_uncomputed)
+        if n == 0:
+            return False
+        taken = [b - a for b, a in zip(before, control.headroom, strict=True)]
+        batch[req.request_id] = (self._chunk(req, n), taken)
+        return True
+
+    def _preempt(self, req: Request, releases: list[str], counted: bool = True) -> Event:
+        self.running.remove(req)
+        releases.append(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._book.forget(req.request_id)
+        self.stats.preemptions += counted
+        return Event(req.request_id, PREEMPTED)
+
+    def _probe_pages(self, req: Request) -> int:
+        """Pages worth probing: full pages of its tokens, short of the last token that must be computed."""
+        return (req.num_tokens - 1) // self.page_size if self.prefix_caching else 0
+
+    def _admit_waiting(
+        self,
+        control: AdmissionControl,
+        batch: dict[str, tuple[Chunk, list[int]]],
+        admits: list[Admit],
+        report_step: int,
+        flush: bool,
+    ) -> None:
+        while self.waiting:
+            req = self.waiting[0]
+            need = pages_for(req.max_positions, self.page_size)
+            if need > control.largest_request_pages():
+                self._events.append(self._finish(
+                    req,
+                    "error",
+                    f"request {req.request_id} needs up to {need} KV pages"
+                    f" but the smallest rank pool holds {control.largest_request_pages()}",
+                ))
+                continue
+            answers: list[ProbeAnswer | None] = []
+            agreed = 0
+            ready = True
+            if self._probe_pages(req) > 0 and not flush:
+                ready = self._book.waiting_on(req.request_id) == report_step and self._book.complete(
+                    req.request_id, self.ranks
+                )
+                if ready:
+                    answers = self._book.answers(req.request_id, self.ranks)
+                    agreed = agreed_prefix_pages(answers, req.num_tokens, self.page_size)
+            decision = control.consider(req.num_tokens, agreed, answers, ready)
+            if not decision.admit:
+                self.stats.deferred[decision.reason] += 1
+                return
+            self._admit(req, agreed, answers, decision, batch, admits)
+
+    def _admit(
+        self,
+        req: Request,
+        agreed: int,
+        answers: list[ProbeAnswer | None],
+        decision: Decision,
+        batch: dict[str, tuple[Chunk, list[int]]],
+        admits: list[Admit],
+    ) -> None:
+        self.waiting.popleft()
+        self._book.consume(req.request_id, self.ranks)
+        if answers:
+            for r, a in enumerate(answers):
+                self.stats.prefix_offered_pages[r] += a.matched_pages if a is not None else 0
+        keys = req.page_keys(agreed, self.page_size, self.salt)
+        prefix = agreed * self.page_size
+        if req.num_preemptions == 0:
+            req.cached_tokens = prefix
+        self.stats.prefix_agreed_pages += agreed
+        self.stats.prefix_hit_tokens += prefix
+        req.status = RequestStatus.RUNNING
+        req.num_computed = prefix
+        self.running.append(req)
+        admits.append(Admit(req.request_id, keys))
+        batch[req.request_id] = (self._chunk(req, decision.num_tokens), list(decision.pages))
+
+    def _probes(self, step: int) -> list[Probe]:
+        """Probe the requests that may be admitted next: the head of the queue, up to the free seats."""
+        window = max(1, self.max_num_seqs - len(self.running))
+        probes = []
+        for req in list(self.waiting)[:window]:
+            pages = self._probe_pages(req)
+            if pages > 0:
+                self._book.ask(req.request_id, step)
+                probes.append(Probe(req.request_id, req.page_keys(pages, self.page_size, self.salt)))
+        return probes
+
+    # ----- reports
+
+    def apply(self, reports: Sequence[Report]) -> list[Event]:
+        """Take in the reports of the last plan (every rank): tokens, finishes, probe answers.
+
+        A second delivery of the same step's reports changes nothing and returns no events. A step that
+        some rank refused (Report.error) fails the requests it admitted; when every rank refused, nothing
+        ran, so the others are planned again as they were; when only some did, the ranks no longer agree
+        on what the others hold, so those are preempted (released everywhere, recomputed).
+        """
+        if not reports:
+            raise ValueError("apply() needs the reports of every rank")
+        plan = self._last_plan
+        ordered = self._check_reports(reports)
+        step = ordered[0].step
+        if self._applied is not None and step <= self._applied:
+            return []
+        if plan is None or step != plan.step:
+            expected = "no plan is in flight" if plan is None else f"the last plan was step {plan.step}"
+            raise ValueError(f"reports of step {step} do not answer a plan in flight ({expected})")
+        self._applied = step
+        events, self._events = self._events, []
+        failed = [r for r in ordered if r.error]
+        if failed:
+            self._apply_failure(plan, ordered, failed, events)
+        else:
+            self._apply_success(plan, ordered, events)
+        return events
+
+    def _apply_failure(self, plan: Plan, reports: list[Report], failed: list[Report], events: list[Event]) -> None:
+        self.stats.failed_steps += 1
+        message = f"step {plan.step} refused: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+        self._releases.extend(plan.releases)
+        admitted = {a.request_id for a in plan.admits}
+        for rid in admitted:
+            req = self.requests.get(rid)
+            if req is not None:
+                events.append(self._finish(req, "error", message))
+        if len(failed) == len(reports):
+            return
+        for chunk in plan.batch:
+            req = self.requests.get(chunk.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING and chunk.request_id not in admitted:
+                events.append(self._preempt(req, self._releases))
+
+    def _apply_success(self, plan: Plan, reports: list[Report], events: list[Event]) -> None:
+        for report in reports:
+            for answer in report.probes:
+                self._book.record(report.step, report.rank, answer)
+        sampled: dict[str, int] = {}
+        for report in reports:
+            for s in report.sampled:
+                sampled.setdefault(s.request_id, s.token_id)
+        for chunk in plan.batch:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if req.num_computed != chunk.start:
+                raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {chunk.start}")
+            req.num_computed = chunk.start + len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = sampled.get(req.request_id)
+            if token is None:
+                events.append(self._finish(req, "error", f"no rank sampled a token at step {plan.step}"))
+                continue
+            reason = req.append(token)
+            events.append(Event(req.request_id, TOKEN, token_id=token))
+            if reason is not None:
+                events.append(self._finish(req, reason))
+
+    def _finish(self, req: Request, reason: str, error: str = "") -> Event:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._releases.append(req.request_id)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.finish(reason, error)
+        self.requests.pop(req.request_id, None)
+        self._book.forget(req.request_id)
+        return Event(req.request_id, FINISHED, finish_reason=reason, error=error)

@@ -1,0 +1,192 @@
+"""The coordinator: its groups, request routing, and the bridge from scheduler events to clients.
+
+Each group keeps its own step loop and its own decisions; no agreement spans two groups. A request
+goes to the least-loaded group whose ranks are all up; a group that is down takes no new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lockstep.coordinator.group import GroupRunner
+from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.openai_api import ApiError, GenerateSpec, TokenEvent
+from lockstep.coordinator.request import Request
+from lockstep.coordinator.scheduler import Scheduler
+from lockstep.kv.page_keys import key_salt
+from lockstep.tokenizer import Tokenizer
+
+log = logging.getLogger("lockstep.coordinator")
+
+
+@dataclass
+class SchedulerLimits:
+    page_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    prefix_caching: bool = True
+
+
+@dataclass
+class _Live:
+    """A request between the API and its group: the scheduler's record and the client's queue."""
+
+    request: Request
+    queue: asyncio.Queue
+    arrived: float
+    prompt_tokens: int
+    last_token_at: float | None = None
+
+
+class Coordinator:
+    def __init__(
+        self,
+        groups: dict[str, list[str]],
+        tokenizer: Tokenizer,
+        model_name: str,
+        limits: SchedulerLimits,
+        stall_threshold: float = 5.0,
+        dead_rank_timeout: float = 30.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.max_model_len = 0
+        self.metrics = Metrics()
+        self.group_addresses = groups
+        self.stall_threshold = stall_threshold
+        self.dead_rank_timeout = dead_rank_timeout
+        self.groups: dict[str, GroupRunner] = {}
+        self.live: dict[str, _Live] = {}
+        self._seen: dict[str, dict] = {}
+
+    async def start(self, connect_timeout: float = 600.0) -> None:
+        for name, addresses in self.group_addresses.items():
+            runner = GroupRunner(name, addresses, None, self.metrics,  # scheduler set once Info is known
+                                 lambda events, g=name: self._dispatch(g, events),
+                                 self.stall_threshold, self.dead_rank_timeout)
+            infos = [await link.wait_info(time.monotonic() + connect_timeout) for link in runner.links]
+            self._check_infos(name, infos)
+            runner.scheduler = Scheduler(
+                page_size=self.limits.page_size,
+                salt=key_salt(infos[0].model_id, self.limits.page_size),
+                max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                max_num_seqs=self.limits.max_num_seqs,
+                ranks=len(addresses),
+                prefix_caching=self.limits.prefix_caching,
+                max_model_len=min(i.max_model_len for i in infos),
+            )
+            lens = [i.max_model_len for i in infos]
+            self.max_model_len = min(lens) if not self.max_model_len else min(self.max_model_len, *lens)
+            await runner.start(connect_timeout)
+            self.groups[name] = runner
+
+    def _check_infos(self, group: str, infos: list) -> None:
+        for r, info in enumerate(infos):
+            if info.rank != r or info.world_size != len(infos):
+                raise RuntimeError(f"group {group}: address {r} is rank {info.rank} of {info.world_size}, "
+                                   f"expected rank {r} of {len(infos)}")
+            if info.page_size != self.limits.page_size:
+                raise RuntimeError(f"group {group}: rank {r} uses page size {info.page_size}, the coordinator "
+                                   f"{self.limits.page_size}")
+            if info.model_id != infos[0].model_id:
+                raise RuntimeError(f"group {group}: rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
+
+    def healthy(self) -> bool:
+        return any(g.up for g in self.groups.values())
+
+    def health_detail(self) -> dict:
+        return {name: {"up": g.up, "reason": g.down_reason, "step": g.step} for name, g in self.groups.items()}
+
+    def metrics_text(self) -> bytes:
+        for name, g in self.groups.items():
+            self.metrics.requests.labels(name, "waiting").set(g.scheduler.num_waiting)
+            self.metrics.requests.labels(name, "running").set(g.scheduler.num_running)
+        return self.metrics.render()
+
+    async def reset_prefix_cache(self, rank: int | None) -> None:
+        await asyncio.gather(*(g.flush(rank) for g in self.groups.values() if g.up))
+
+    def _pick_group(self) -> GroupRunner:
+        up = [g for g in self.groups.values() if g.up]
+        if not up:
+            reasons = "; ".join(g.down_reason for g in self.groups.values()) or "no group is up"
+            raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
+                           err_type="service_unavailable")
+        return min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
+
+    async def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+        group = self._pick_group()
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            request = Request(request_id, spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_token_ids)
+            group.scheduler.add(request)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        self.live[request_id] = _Live(request, queue, time.monotonic(), len(spec.prompt_ids))
+        group.kick()
+        finished = False
+        try:
+            while True:
+                ev: TokenEvent = await queue.get()
+                yield ev
+                if ev.finish_reason is not None or ev.error:
+                    finished = True
+                    return
+        finally:
+            self.live.pop(request_id, None)
+            if not finished:
+                group.scheduler.abort(request_id)
+                group.kick()
+
+    def _dispatch(self, group: str, events: list) -> None:
+        now = time.monotonic()
+        runner = self.groups.get(group)
+        if runner is not None:
+            self._export_stats(group, runner)
+        for ev in events:
+            live = self.live.get(ev.request_id)
+            if live is None:
+                continue
+            if ev.kind == "token":
+                cached = live.request.cached_tokens
+                if live.last_token_at is None:
+                    self.metrics.ttft.labels(group).observe(now - live.arrived)
+                else:
+                    self.metrics.itl.labels(group).observe(now - live.last_token_at)
+                live.last_token_at = now
+                self.metrics.generation_tokens.labels(group).inc()
+                live.queue.put_nowait(TokenEvent(ev.token_id, None, cached))
+            elif ev.kind == "finished":
+                cached = live.request.cached_tokens
+                if ev.finish_reason == "error":
+                    live.queue.put_nowait(TokenEvent(None, None, cached, error=ev.error))
+                else:
+                    live.queue.put_nowait(TokenEvent(None, ev.finish_reason, cached))
+                self.metrics.request_duration.labels(group).observe(now - live.arrived)
+                self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
+
+    def _export_stats(self, group: str, runner: GroupRunner) -> None:
+        """The scheduler keeps running totals; Prometheus counters take the increments."""
+        stats = runner.scheduler.stats
+        seen = self._seen.setdefault(group, {"preemptions": 0, "agreed": 0, "hits": 0, "offered": {},
+                                             "deferred": {}})
+        m = self.metrics
+        m.preemptions.labels(group).inc(stats.preemptions - seen["preemptions"])
+        m.prefix_agreed.labels(group).inc(stats.prefix_agreed_pages - seen["agreed"])
+        m.prefix_hit_tokens.labels(group).inc(stats.prefix_hit_tokens - seen["hits"])
+        for rank, offered in enumerate(stats.prefix_offered_pages):
+            m.prefix_offered.labels(group, str(rank)).inc(offered - seen["offered"].get(rank, 0))
+            seen["offered"][rank] = offered
+        for reason, n in stats.deferred.items():
+            m.admission_deferred.labels(group, reason).inc(n - seen["deferred"].get(reason, 0))
+            seen["deferred"][reason] = n
+        seen.update(preemptions=stats.preemptions, agreed=stats.prefix_agreed_pages, hits=stats.prefix_hit_tokens)
+
+    async def close(self) -> None:
+        for g in self.groups.values():
+            await g.close()

@@ -1,0 +1,139 @@
+"""Real local groups for integration tests: `lockstep rank` processes and a `lockstep coordinator` process.
+
+The processes are the ones a pod runs, started with their real command lines, talking real gRPC
+and real gloo collectives on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from lockstep.local_group import free_port
+
+
+def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 120.0) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    text = raw.decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+class Cluster:
+    """One group of `tp` ranks and its coordinator; `url` is the coordinator's HTTP root."""
+
+    def __init__(self, model_dir: Path, tp: int = 2, kv_pages: list[int] | int = 128, page_size: int = 16,
+                 coordinator_args: list[str] | None = None, log_dir: Path | None = None,
+                 prefix_caching: bool = True) -> None:
+        self.model_dir = model_dir
+        self.tp = tp
+        self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
+        rendezvous = f"127.0.0.1:{free_port()}"
+        self.rank_ports = [free_port() for _ in range(tp)]
+        self.http_port, self.grpc_port = free_port(), free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.ranks: list[subprocess.Popen] = []
+        for r in range(tp):
+            cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(tp),
+                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.rank_ports[r]),
+                   "--model", str(model_dir), "--page-size", str(page_size), "--kv-pages", str(pages[r]),
+                   "--threads", "1"]
+            if not prefix_caching:
+                cmd.append("--no-prefix-caching")
+            self.ranks.append(self._spawn(cmd, env, f"rank{r}"))
+        cmd = [sys.executable, "-m", "lockstep.cli", "coordinator",
+               "--group", "g0=" + ",".join(f"127.0.0.1:{p}" for p in self.rank_ports),
+               "--model", str(model_dir), "--host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--grpc-port", str(self.grpc_port), "--page-size", str(page_size), *(coordinator_args or [])]
+        if not prefix_caching:
+            cmd.append("--no-prefix-caching")
+        self.coordinator = self._spawn(cmd, env, "coordinator")
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.wait_healthy()
+
+    def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
+        path = self.log_dir / f"lockstep-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        f = open(path, "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc.log_path = path  # type: ignore[attr-defined]
+        return proc
+
+    def log(self, proc: subprocess.Popen) -> str:
+        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in [*self.ranks, self.coordinator]:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a process exited with {p.returncode}:\n{self.log(p)[-3000:]}")
+            try:
+                status, _ = http("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the group did not become healthy:\n" + self.log(self.coordinator)[-3000:])
+
+    def complete(self, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+        return http("POST", self.url + "/v1/completions", body, timeout)  # type: ignore[return-value]
+
+    def metrics(self) -> str:
+        status, text = http("GET", self.url + "/metrics")
+        assert status == 200
+        return text  # type: ignore[return-value]
+
+    def metric(self, name: str, **labels: str) -> list[float]:
+        """Values of every series of `name` whose labels include `labels`."""
+        out = []
+        for line in self.metrics().splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+            if not m:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                out.append(float(m.group(2)))
+        return out
+
+    def assert_no_leak(self, timeout: float = 30.0) -> None:
+        """Once idle, every rank holds no used (so no pinned) page, and free + evictable = total."""
+        deadline = time.monotonic() + timeout
+        while True:
+            used = self.metric("lockstep_rank_pages", state="used")
+            running = sum(self.metric("lockstep_requests", state="running"))
+            waiting = sum(self.metric("lockstep_requests", state="waiting"))
+            if used and all(u == 0 for u in used) and running == 0 and waiting == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pages still used after idle: used={used} running={running} waiting={waiting}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for p in [self.coordinator, *self.ranks]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in [self.coordinator, *self.ranks]:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,173 @@
+"""The Helm chart, rendered and linted by Helm's own Go engine (helm-python-sdk), every document valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
+
+from lockstep_operator.crd import build_crd, strict_schema  # noqa: E402
+from lockstep_operator.resource import normalize  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm/lockstep"
+# Kinds that are not part of Kubernetes itself: checked against their own schema or shape instead.
+FOREIGN = {"LockstepDeployment", "ServiceMonitor", "PrometheusRule"}
+
+VALUES = {
+    "default": {},
+    "monitoring-on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                                     "prometheusRule": {"enabled": True, "labels": {"release": "kps"}},
+                                     "dashboard": {"enabled": True}}},
+    "monitoring-off": {"monitoring": {"serviceMonitor": {"enabled": False}, "prometheusRule": {"enabled": False},
+                                      "dashboard": {"enabled": False}}},
+    "two-groups": {"deployment": {"spec": {"groups": 2, "tensorParallelSize": 3}}},
+    "tp4-pvc-namespaced": {"operator": {"watchAllNamespaces": False},
+                           "image": {"tag": "1.2.3", "pullPolicy": "Always"},
+                           "imagePullSecrets": [{"name": "regcred"}],
+                           "deployment": {"name": "llama", "spec": {
+                               "model": {"pvc": {"claimName": "weights", "path": "llama"}},
+                               "tensorParallelSize": 4, "groups": 2,
+                               "coordinator": {"httpPort": 9000, "grpcPort": 9001}}}},
+    "no-deployment": {"deployment": {"enabled": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        out = chart.render(values, name="demo", namespace="ml", is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def notes(values: dict) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="demo", namespace="ml", is_install=True)
+    return out["lockstep/templates/NOTES.txt"]
+
+
+def kinds(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(VALUES))
+def test_every_rendered_document_is_valid(key: str) -> None:
+    docs = render(VALUES[key])
+    assert docs
+    cr_schema = jsonschema.Draft4Validator(strict_schema())
+    for doc in docs:
+        if doc["kind"] == "LockstepDeployment":
+            cr_schema.validate(doc)
+            normalize(doc["spec"])
+        elif doc["kind"] not in FOREIGN:
+            for version in ("1.30", "1.33"):
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("key", sorted(VALUES))
+def test_lint_is_clean(key: str) -> None:
+    for kube_version in ("v1.30.0", "v1.33.0"):
+        report = helm.lint(CHART, VALUES[key], strict=True, kube_version=kube_version)
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert not problems, problems
+
+
+def test_crd_ships_in_crds_dir_and_is_the_python_one() -> None:
+    with helm.Chart.load(CHART) as chart:
+        crds = chart.crds
+    assert len(crds) == 1
+    assert yaml.safe_load(crds[0]["data"]) == build_crd()
+
+
+def test_default_install_serves_the_builtin_model() -> None:
+    k = kinds(render({}))
+    (cr,) = k["LockstepDeployment"]
+    assert cr["metadata"]["name"] == "demo"
+    spec = normalize(cr["spec"])
+    assert spec["model"]["builtin"] and spec["groups"] == 1
+    assert spec["image"] == "ghcr.io/lockstep-dev/lockstep:0.1.0"
+    (op,) = k["Deployment"]
+    (c,) = op["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["lockstep-operator"] and "--all-namespaces" in c["args"]
+    assert op["spec"]["template"]["spec"]["serviceAccountName"] == k["ServiceAccount"][0]["metadata"]["name"]
+    assert "ServiceMonitor" not in k and "PrometheusRule" not in k
+    (dash,) = k["ConfigMap"]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["lockstep.json"]) == json.loads((ROOT / "monitoring/dashboard.json").read_text())
+    (test_pod,) = k["Pod"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert test_pod["spec"]["containers"][0]["args"][-1] == "http://demo.ml.svc:8000/v1/completions"
+
+
+def test_non_default_values_reach_the_resource() -> None:
+    k = kinds(render(VALUES["tp4-pvc-namespaced"]))
+    (cr,) = k["LockstepDeployment"]
+    assert cr["metadata"]["name"] == "llama"
+    spec = normalize(cr["spec"])
+    assert spec["tensorParallelSize"] == 4 and spec["groups"] == 2
+    assert spec["image"].endswith(":1.2.3") and spec["imagePullPolicy"] == "Always"
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert "Role" in k and "RoleBinding" in k and "ClusterRole" not in k
+    (c,) = k["Deployment"][0]["spec"]["template"]["spec"]["containers"]
+    assert "--namespace=ml" in c["args"]
+    assert k["Pod"][0]["spec"]["containers"][0]["args"][-1] == "http://llama.ml.svc:9000/v1/completions"
+    assert "llama.ml.svc:9000" in notes(VALUES["tp4-pvc-namespaced"])
+    k = kinds(render(VALUES["two-groups"]))
+    assert normalize(k["LockstepDeployment"][0]["spec"])["groups"] == 2
+    assert "LockstepDeployment" not in kinds(render(VALUES["no-deployment"]))
+
+
+def test_monitoring_objects() -> None:
+    k = kinds(render(VALUES["monitoring-on"]))
+    (sm,) = k["ServiceMonitor"]
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+    (rule,) = k["PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["spec"] == yaml.safe_load((ROOT / "monitoring/alerts.yaml").read_text())
+    k = kinds(render(VALUES["monitoring-off"]))
+    assert not {"ServiceMonitor", "PrometheusRule", "ConfigMap"} & set(k)
+
+
+def test_rbac_is_least_privilege() -> None:
+    (role,) = kinds(render({}))["ClusterRole"]
+    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    assert not any("*" in x for grant in grants for x in grant)
+    assert ("", "pods", "delete") in grants and ("", "events", "create") in grants
+    assert ("lockstep.dev", "lockstepdeployments/status", "patch") in grants
+    assert not any(r in ("secrets", "configmaps", "nodes") for _, r, _ in grants)
+    assert not any(r == "pods" and v in ("create", "patch") for _, r, v in grants)
+
+
+def test_chart_copies_equal_the_monitoring_sources() -> None:
+    for name in ("alerts.yaml", "dashboard.json"):
+        assert (CHART / "files" / name).read_bytes() == (ROOT / "monitoring" / name).read_bytes(), \
+            f"cp monitoring/{name} helm/lockstep/files/{name}"
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"deployment": {"spec": {"tensorParallelSize": 0}}}, "tensorParallelSize"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    ({"operator": {"replicas": 2}}, "replicas"),
+    ({"monitoring": {"serviceMonitor": {"interval": "often"}}}, "interval"),
+    ({"unknownKey": 1}, "unknownKey"),
+])
+def test_values_schema_refuses_bad_values(values: dict, field: str) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=field):
+        chart.validate_schema(values)

@@ -1,0 +1,208 @@
+"""The served group end to end: `lockstep rank` processes, a `lockstep coordinator`, real gRPC and gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from cluster import Cluster, http
+
+PS = 16
+
+
+def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+
+    def greedy(tokens: list[int], n: int) -> list[int]:
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, len(tokens):].tolist()
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def group(tiny_llama, tmp_path_factory):
+    c = Cluster(tiny_llama, tp=2, kv_pages=128, log_dir=tmp_path_factory.mktemp("logs"),
+                coordinator_args=["--stall-threshold", "1", "--dead-rank-timeout", "20"])
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def no_leak(group):
+    yield
+    group.assert_no_leak()
+
+
+def tokens_of(group: Cluster, tokens: list[int], n: int, **extra) -> tuple[list[int], dict]:
+    status, body = group.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                   "return_token_ids": True, **extra})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], body
+
+
+def test_concurrent_greedy_matches_transformers(group, reference, no_leak):
+    prompts = [prompt(i, n) for i, n in enumerate([5, 17, 33, 48, 70, 9])]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: tokens_of(group, p, 10)[0], prompts))
+    for p, got in zip(prompts, results, strict=True):
+        assert got == reference(p, 10)
+
+
+def test_prefix_cache_hit_is_skipped_and_output_unchanged(group, reference, no_leak):
+    p = prompt(100, 45)
+    cold, body_cold = tokens_of(group, p, 6)
+    before = sum(group.metric("lockstep_prefix_cache_hit_tokens_total"))
+    warm, body_warm = tokens_of(group, p, 6)
+    assert cold == warm == reference(p, 6)
+    assert body_cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert body_warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert sum(group.metric("lockstep_prefix_cache_hit_tokens_total")) - before == 32
+    assert body_warm["prompt_token_ids"] == p
+
+
+def test_same_prefix_admitted_together_both_correct(group, reference, no_leak):
+    shared = prompt(200, 32)
+    tokens_of(group, shared + prompt(201, 3), 1)
+    a, b = shared + prompt(202, 7), shared + prompt(203, 12)
+    with ThreadPoolExecutor(2) as pool:
+        ra, rb = pool.map(lambda p: tokens_of(group, p, 8), [a, b])
+    assert ra[0] == reference(a, 8) and rb[0] == reference(b, 8)
+    assert ra[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert rb[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_flushed_rank_agrees_at_its_minimum(group, reference, no_leak):
+    p = prompt(300, 50)
+    tokens_of(group, p, 2)
+    status, _ = http("POST", group.url + "/admin/reset_prefix_cache?rank=1")
+    assert status == 200
+    offered_before = group.metric("lockstep_prefix_offered_pages_total", rank="0")
+    got, body = tokens_of(group, p, 6)
+    assert got == reference(p, 6)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert group.metric("lockstep_prefix_offered_pages_total", rank="0")[0] > offered_before[0]
+    assert max(group.metric("lockstep_free_page_skew_pages")) > 0
+
+
+def test_bad_input_is_a_4xx_and_service_stays_up(group, no_leak):
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "hi", "model": "no-such-model"}).encode(), 404, "model"),
+        (json.dumps({"prompt": list(range(3, 250)) * 20}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": [1, 2, 10**9]}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"messages": "hello"}).encode(), 400, "messages"),
+    ]
+    for raw, status, param in cases:
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        got, body = http("POST", group.url + path, raw)
+        assert got == status, (raw, body)
+        assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["message"]
+        assert body["error"]["param"] == param
+    got, body = group.complete({"prompt": "hello", "max_tokens": 3, "temperature": 0})
+    assert got == 200 and body["usage"]["completion_tokens"] <= 3
+
+
+def test_chat_and_streaming(group, no_leak):
+    status, body = http("POST", group.url + "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    req = urllib.request.Request(group.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": prompt(400, 10), "max_tokens": 5, "stream": True,
+                                                  "temperature": 0, "ignore_eos": True,
+                                                  "return_token_ids": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        lines = [ln.decode().strip() for ln in resp if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert len(ids) == 5 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    streamed, _ = tokens_of(group, prompt(400, 10), 5)
+    assert ids == streamed
+
+
+def test_client_disconnect_frees_pages(group, no_leak):
+    body = json.dumps({"prompt": prompt(500, 20), "max_tokens": 400, "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(group.url + "/v1/completions", method="POST", data=body,
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    resp.readline()
+    resp.close()
+    time.sleep(0.5)
+
+
+def test_stopped_rank_stalls_then_group_continues(group, reference, no_leak):
+    p = prompt(600, 20)
+    with ThreadPoolExecutor(1) as pool:
+        os.kill(group.ranks[1].pid, signal.SIGSTOP)
+        try:
+            fut = pool.submit(tokens_of, group, p, 8)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and group.metric("lockstep_agreements_stalled")[0] < 1:
+                time.sleep(0.2)
+            assert group.metric("lockstep_agreements_stalled") == [1.0]
+            log = group.log(group.coordinator)
+            assert "agreement wait stalled" in log and "not responding at all: [1]" in log
+        finally:
+            os.kill(group.ranks[1].pid, signal.SIGCONT)
+        assert fut.result(timeout=60)[0] == reference(p, 8)
+    assert group.metric("lockstep_agreements_stalled") == [0.0]
+    assert group.metric("lockstep_agreement_stalls_total")[0] >= 1
+
+
+def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, tmp_path):
+    c = Cluster(tiny_llama, tp=2, kv_pages=[128, 10], log_dir=tmp_path)
+    try:
+        prompts = [prompt(700 + i, 30) for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: tokens_of(c, p, 24)[0], prompts))
+        for p, got in zip(prompts, results, strict=True):
+            assert got == reference(p, 24)
+        assert sum(c.metric("lockstep_preemptions_total")) > 0
+        assert "asked for" not in c.log(c.coordinator), "a rank was asked to allocate more than it had"
+        c.assert_no_leak()
+    finally:
+        c.close()
+
+
+def test_killed_rank_fails_requests_with_503(tiny_llama, tmp_path):
+    c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path,
+                coordinator_args=["--stall-threshold", "1", "--dead-rank-timeout", "5"])
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(c.complete, {"prompt": prompt(800, 10), "max_tokens": 480, "ignore_eos": True})
+            time.sleep(1.0)
+            os.kill(c.ranks[1].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            status, body = fut.result(timeout=30)
+        assert status == 503, body
+        assert time.monotonic() - t0 < 10
+        assert body["error"]["type"] == "service_unavailable"
+        status, _ = http("GET", c.url + "/health")
+        assert status == 503
+        status, body = c.complete({"prompt": "hi", "max_tokens": 2})
+        assert status == 503
+    finally:
+        c.close()

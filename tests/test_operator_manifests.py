@@ -1,0 +1,166 @@
+"""The operator's pure builders: every object valid for Kubernetes, and wired as commands.md says."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from lockstep_operator import manifests as m
+from lockstep_operator.resource import normalize
+
+SPECS = {
+    "default": {},
+    "tp3x2": {"tensorParallelSize": 3, "groups": 2},
+    "pvc-tp4": {"model": {"pvc": {"claimName": "weights", "path": "/llama/"}, "servedModelName": "llama"},
+                "tensorParallelSize": 4, "groups": 3, "networkPolicy": False,
+                "coordinator": {"serviceType": "LoadBalancer", "httpPort": 9000, "grpcPort": 9001},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "nodeSelector": {"gpu": "h100"},
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [
+                        {"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}},
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "imagePullSecrets": [{"name": "regcred"}]},
+    "path-cpu": {"model": {"path": "/opt/model"}, "tensorParallelSize": 2,
+                 "resources": {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}},
+                 "kvCache": {"pages": 512, "prefixCaching": False},
+                 "agreement": {"stallThresholdSeconds": 2, "deadRankTimeoutSeconds": 12}},
+}
+
+
+def build(key: str, name: str = "demo", namespace: str = "ml") -> tuple[dict, list[dict]]:
+    spec = normalize(SPECS[key])
+    return spec, m.build_all(name, namespace, spec)
+
+
+def by(objs: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_every_manifest_is_valid_kubernetes(key: str, version: str) -> None:
+    _, objs = build(key)
+    for obj in objs:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_names_and_counts_follow_the_design() -> None:
+    spec, objs = build("tp3x2")
+    names = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert names == sorted([("StatefulSet", "demo-g0"), ("Service", "demo-g0"), ("NetworkPolicy", "demo-g0"),
+                            ("StatefulSet", "demo-g1"), ("Service", "demo-g1"), ("NetworkPolicy", "demo-g1"),
+                            ("Deployment", "demo-coordinator"), ("Service", "demo")])
+    assert all(o["metadata"]["namespace"] == "ml" for o in objs)
+    _, objs = build("pvc-tp4")
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["demo-g0", "demo-g1", "demo-g2"]
+    assert not [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+
+def test_rank_statefulset() -> None:
+    spec, objs = build("tp3x2")
+    sts = by(objs, "StatefulSet", "demo-g1")["spec"]
+    assert sts["replicas"] == 3 and sts["podManagementPolicy"] == "Parallel"
+    assert sts["serviceName"] == "demo-g1" and sts["updateStrategy"] == {"type": "OnDelete"}
+    pod = sts["template"]
+    assert sts["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["lockstep", "rank"]
+    env = env_of(c)
+    assert env["LOCKSTEP_WORLD_SIZE"] == "3"
+    assert env["LOCKSTEP_RENDEZVOUS"] == "demo-g1-0.demo-g1.ml.svc.cluster.local:29500"
+    assert env["LOCKSTEP_POD_INDEX"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert env["LOCKSTEP_GRPC_PORT"] == "50051" and env["LOCKSTEP_MODEL"] == "builtin"
+    assert env["LOCKSTEP_PAGE_SIZE"] == "16" and env["LOCKSTEP_PREFIX_CACHING"] == "1"
+    assert {p["containerPort"] for p in c["ports"]} == {50051, 29500}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"] == {"port": 50051}
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]
+
+
+def test_headless_service_publishes_not_ready_ranks() -> None:
+    _, objs = build("tp3x2")
+    svc = by(objs, "Service", "demo-g0")["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in svc["ports"]} == {50051, 29500}
+    assert svc["selector"] == by(objs, "StatefulSet", "demo-g0")["spec"]["selector"]["matchLabels"]
+
+
+def test_network_policy_admits_only_coordinator_and_own_group() -> None:
+    _, objs = build("tp3x2")
+    pol = by(objs, "NetworkPolicy", "demo-g0")["spec"]
+    coordinator_labels = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["metadata"]["labels"]
+    g0_labels = by(objs, "StatefulSet", "demo-g0")["spec"]["template"]["metadata"]["labels"]
+    g1_labels = by(objs, "StatefulSet", "demo-g1")["spec"]["template"]["metadata"]["labels"]
+    assert pol["policyTypes"] == ["Ingress"]
+    peers = [(rule["from"][0]["podSelector"]["matchLabels"], rule.get("ports")) for rule in pol["ingress"]]
+    matches = lambda sel, labels: sel.items() <= labels.items()
+    assert any(matches(s, coordinator_labels) and ports == [{"protocol": "TCP", "port": 50051}] for s, ports in peers)
+    assert any(matches(s, g0_labels) for s, _ in peers)
+    assert not any(matches(s, g1_labels) for s, _ in peers), "another group's ranks must not reach g0"
+
+
+def test_coordinator_is_told_every_rank() -> None:
+    _, objs = build("tp3x2")
+    dep = by(objs, "Deployment", "demo-coordinator")["spec"]
+    assert dep["replicas"] == 1 and dep["strategy"] == {"type": "Recreate"}
+    (c,) = dep["template"]["spec"]["containers"]
+    assert c["command"] == ["lockstep", "coordinator"]
+    env = env_of(c)
+    ranks = lambda g: ",".join(f"demo-{g}-{r}.demo-{g}.ml.svc.cluster.local:50051" for r in range(3))
+    assert env["LOCKSTEP_GROUPS"] == f"g0={ranks('g0')};g1={ranks('g1')}"
+    assert env["LOCKSTEP_HTTP_PORT"] == "8000" and env["LOCKSTEP_GRPC_PORT"] == "8001"
+    assert env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "5"
+    assert env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "30"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "httpGet" not in c["livenessProbe"], "a down group must not restart the coordinator"
+    assert "nvidia.com/gpu" not in str(c["resources"])
+    svc = by(objs, "Service", "demo")["spec"]
+    assert svc["selector"].items() <= dep["template"]["metadata"]["labels"].items()
+    assert {(p["name"], p["port"]) for p in svc["ports"]} == {("http", 8000), ("grpc", 8001)}
+
+
+def test_pvc_model_scheduling_and_extra_env() -> None:
+    spec, objs = build("pvc-tp4")
+    pod = by(objs, "StatefulSet", "demo-g2")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = env_of(c)
+    assert env["LOCKSTEP_MODEL"] == "/models/llama" and env["NCCL_DEBUG"] == "INFO"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert pod["tolerations"] == SPECS["pvc-tp4"]["tolerations"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and "nodeAffinity" in pod["affinity"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    coord = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]
+    cenv = env_of(coord["containers"][0])
+    assert cenv["LOCKSTEP_MODEL"] == "/models/llama" and cenv["LOCKSTEP_SERVED_MODEL_NAME"] == "llama"
+    assert cenv["LOCKSTEP_GROUPS"].count(";") == 2 and cenv["LOCKSTEP_GROUPS"].count(",") == 9
+    assert by(objs, "Service", "demo")["spec"]["type"] == "LoadBalancer"
+    assert m.endpoint("demo", "ml", spec) == "http://demo.ml.svc.cluster.local:9000"
+
+
+def test_kv_and_agreement_settings_reach_the_commands() -> None:
+    _, objs = build("path-cpu")
+    rank_env = env_of(by(objs, "StatefulSet", "demo-g0")["spec"]["template"]["spec"]["containers"][0])
+    assert rank_env["LOCKSTEP_KV_PAGES"] == "512" and rank_env["LOCKSTEP_PREFIX_CACHING"] == "0"
+    assert rank_env["LOCKSTEP_MODEL"] == "/opt/model"
+    coord_env = env_of(by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]["containers"][0])
+    assert coord_env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "2"
+    assert coord_env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "12"
+    assert coord_env["LOCKSTEP_PREFIX_CACHING"] == "0"
+
+
+def test_template_hash_tracks_the_pod_spec() -> None:
+    one = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 1}), 0)
+    three = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3}), 0)
+    again = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3}), 0)
+    h = lambda t: t["metadata"]["annotations"][m.ANNOTATION_HASH]
+    assert h(one) != h(three) and h(three) == h(again)
