@@ -202,7 +202,31 @@ def test_killed_rank_fails_requests_with_503(tiny_llama, tmp_path):
         assert body["error"]["type"] == "service_unavailable"
         status, _ = http("GET", c.url + "/health")
         assert status == 503
+        assert c.metric("lockstep_rank_up", rank="1") == [0.0] and c.metric("lockstep_rank_up", rank="0") == [1.0]
         status, body = c.complete({"prompt": "hi", "max_tokens": 2})
         assert status == 503
     finally:
         c.close()
+
+
+def test_grpc_inference_service(group, reference, no_leak):
+    import grpc
+
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
+
+    p = prompt(900, 21)
+    with grpc.insecure_channel(f"127.0.0.1:{group.grpc_port}") as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=p), max_tokens=6, temperature=0,
+                                  return_token_ids=True)
+        unary = stub.Complete(req, timeout=60)
+        assert list(unary.token_ids) == reference(p, 6)[: len(unary.token_ids)]
+        assert unary.usage.prompt_tokens == len(p) and unary.finish_reason in ("length", "stop")
+        streamed = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
+        assert streamed == list(unary.token_ids)
+        try:
+            stub.Complete(ipb.GenerateRequest(text="hi", max_tokens=0), timeout=10)
+            raise AssertionError("max_tokens=0 was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in exc.details()

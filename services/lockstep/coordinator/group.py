@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -31,6 +32,10 @@ POLL_S = 0.25
 
 class GroupDown(RuntimeError):
     """A rank of the group is dead: the group stops and its requests fail with a retriable error."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class RankLink:
@@ -148,6 +153,9 @@ class GroupRunner:
         await asyncio.gather(*futs)
 
     async def _loop(self) -> None:
+        # Per step: (chunks in the batch, plan s, send s, agreement wait s, apply s, slowest rank's engine s),
+        # so the coordinator's own time can be told apart from the wait for ranks (read by `lockstep bench`).
+        self.step_timings: deque[tuple[int, float, float, float, float, float]] = deque(maxlen=1 << 16)
         try:
             while True:
                 if not self.scheduler.has_work() and not self.flush_ranks and self.last_reports:
@@ -157,10 +165,13 @@ class GroupRunner:
                 flushed = set(self.flush_ranks)
                 self.flush_ranks.clear()
                 plan = self.scheduler.plan(self.step, self.last_reports, flush=bool(flushed))
+                t_plan = time.perf_counter()
                 for link in self.links:
                     rank_plan = dataclasses.replace(plan, flush_prefix_cache=True) if link.rank in flushed else plan
                     await link.send(rank_plan)
+                t_sent = time.perf_counter()
                 reports = await self._gather(plan.step)
+                t_reports = time.perf_counter()
                 for r in flushed:
                     fut = self.flush_done.pop(r, None)
                     if fut is not None and not fut.done():
@@ -168,10 +179,14 @@ class GroupRunner:
                 self.last_reports = reports
                 self.metrics.observe_pools(self.name, {r.rank: r.pools for r in reports})
                 self.on_events(self.scheduler.apply(reports))
-                self.metrics.step_duration.labels(self.name).observe(time.perf_counter() - t0)
+                t_end = time.perf_counter()
+                self.metrics.step_duration.labels(self.name).observe(t_end - t0)
+                engine_s = max(r.timings.get("step_s", 0.0) for r in reports)
+                self.step_timings.append((len(plan.batch), t_plan - t0, t_sent - t_plan, t_reports - t_sent,
+                                          t_end - t_reports, engine_s))
                 self.step += 1
         except GroupDown as exc:
-            self._go_down(str(exc))
+            self._go_down(str(exc), exc.ranks)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must fail requests loudly, not leave them waiting
@@ -201,10 +216,10 @@ class GroupRunner:
                     dead = wait.dead(now, self.dead_rank_timeout)
                     if dead:
                         raise GroupDown(f"rank(s) {dead} of group {self.name} silent for "
-                                        f"{self.dead_rank_timeout:.0f} s at step {step}") from None
+                                        f"{self.dead_rank_timeout:.0f} s at step {step}", dead) from None
                     continue
                 if isinstance(item, str):
-                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}")
+                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
                 if wait.record(item):
                     got[rank] = item
         finally:
@@ -215,12 +230,13 @@ class GroupRunner:
         self.metrics.agreement_wait.labels(self.name, "step").observe(time.perf_counter() - t0)
         return [got[r] for r in range(len(self.links))]
 
-    def _go_down(self, reason: str) -> None:
+    def _go_down(self, reason: str, ranks: list[int] | None = None) -> None:
+        """Stop the group: the dead ranks read 0 in `lockstep_rank_up` (all of them when unknown)."""
         log.error("%s; failing its requests", reason)
         self.up = False
         self.down_reason = reason
-        for link in self.links:
-            self.metrics.rank_up.labels(self.name, str(link.rank)).set(0)
+        for rank in range(len(self.links)) if ranks is None else ranks:
+            self.metrics.rank_up.labels(self.name, str(rank)).set(0)
         for fut in self.flush_done.values():
             if not fut.done():
                 fut.set_exception(GroupDown(reason))
