@@ -177,6 +177,10 @@ class GroupRunner:
                     if fut is not None and not fut.done():
                         fut.set_result(None)
                 self.last_reports = reports
+                refused = [r for r in reports if r.error]
+                if refused:
+                    log.error("group %s step %d refused by the ranks (a coordinator bug if admission allowed it): %s",
+                              self.name, plan.step, "; ".join(f"rank {r.rank}: {r.error}" for r in refused))
                 self.metrics.observe_pools(self.name, {r.rank: r.pools for r in reports})
                 self.on_events(self.scheduler.apply(reports))
                 t_end = time.perf_counter()
