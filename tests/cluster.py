@@ -44,20 +44,12 @@ class Cluster:
         self.model_dir = model_dir
         self.tp = tp
         self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
-        pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
-        rendezvous = f"127.0.0.1:{free_port()}"
+        self.pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
+        self.page_size, self.prefix_caching = page_size, prefix_caching
         self.rank_ports = [free_port() for _ in range(tp)]
         self.http_port, self.grpc_port = free_port(), free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.ranks: list[subprocess.Popen] = []
-        for r in range(tp):
-            cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(tp),
-                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.rank_ports[r]),
-                   "--model", str(model_dir), "--page-size", str(page_size), "--kv-pages", str(pages[r]),
-                   "--threads", "1"]
-            if not prefix_caching:
-                cmd.append("--no-prefix-caching")
-            self.ranks.append(self._spawn(cmd, env, f"rank{r}"))
+        self.start_ranks()
         cmd = [sys.executable, "-m", "lockstep.cli", "coordinator",
                "--group", "g0=" + ",".join(f"127.0.0.1:{p}" for p in self.rank_ports),
                "--model", str(model_dir), "--host", "127.0.0.1", "--http-port", str(self.http_port),
@@ -67,6 +59,20 @@ class Cluster:
         self.coordinator = self._spawn(cmd, env, "coordinator")
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.wait_healthy()
+
+    def start_ranks(self) -> None:
+        """(Re)start every rank as a new group at the same addresses, as the operator recreates one."""
+        rendezvous = f"127.0.0.1:{free_port()}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.ranks = []
+        for r in range(self.tp):
+            cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(self.tp),
+                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.rank_ports[r]),
+                   "--model", str(self.model_dir), "--page-size", str(self.page_size),
+                   "--kv-pages", str(self.pages[r]), "--threads", "1"]
+            if not self.prefix_caching:
+                cmd.append("--no-prefix-caching")
+            self.ranks.append(self._spawn(cmd, env, f"rank{r}"))
 
     def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
         path = self.log_dir / f"lockstep-{name}-{os.getpid()}-{time.monotonic_ns()}.log"

@@ -192,7 +192,7 @@ def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, 
         c.close()
 
 
-def test_killed_rank_fails_requests_with_503(tiny_llama, tmp_path):
+def test_killed_rank_fails_requests_with_503_then_a_new_group_serves(tiny_llama, tmp_path):
     c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path,
                 coordinator_args=["--stall-threshold", "1", "--dead-rank-timeout", "5"])
     try:
@@ -210,6 +210,13 @@ def test_killed_rank_fails_requests_with_503(tiny_llama, tmp_path):
         assert c.metric("lockstep_rank_up", rank="1") == [0.0] and c.metric("lockstep_rank_up", rank="0") == [1.0]
         status, body = c.complete({"prompt": "hi", "max_tokens": 2})
         assert status == 503
+        assert c.ranks[0].wait(timeout=30) == 3, "the surviving rank served on with a broken group"
+        assert "exiting so that the group is recreated" in c.log(c.ranks[0])
+        c.start_ranks()
+        c.wait_healthy()
+        status, body = c.complete({"prompt": prompt(801, 10), "max_tokens": 4, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        c.assert_no_leak()
     finally:
         c.close()
 

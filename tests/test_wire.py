@@ -58,6 +58,7 @@ plans = st.builds(
     batch=st.lists(chunks, max_size=4).map(tuple),
     probes=st.lists(st.builds(Probe, request_id=ids, keys=keys), max_size=4).map(tuple),
     flush_prefix_cache=st.booleans(),
+    release_all=st.booleans(),
 )
 reports = st.builds(
     Report,

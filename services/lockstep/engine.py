@@ -30,7 +30,7 @@ from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import load_model
 from lockstep.model.sampling import sample
 from lockstep.parallel.comm import Comm, init_comm, single_comm
-from lockstep.steps import Chunk, Plan, ProbeAnswer, Report, Sampled
+from lockstep.steps import Chunk, GroupBroken, Plan, ProbeAnswer, Report, Sampled
 
 POOL = "default"
 DEFAULT_CPU_KV_BUDGET = 1 << 30
@@ -137,18 +137,30 @@ class Engine:
             return self.last_report
         t0 = time.perf_counter()
         report = Report(step=plan.step, rank=self.comm.rank)
-        for request_id in plan.releases:
+        releases = list(self.pool.owners()) if plan.release_all else plan.releases
+        for request_id in releases:
             self.pool.release(request_id)
             self.seqs.pop(request_id, None)
         error = self._prepare(plan)
-        if self._group_refuses(error):
+        try:
+            refused = self._group_refuses(error)
+        except Exception as exc:
+            raise GroupBroken(f"rank {self.comm.rank}: the agreement collective of step {plan.step} failed: "
+                              f"{exc}") from exc
+        if refused:
             for admit in plan.admits:
                 self.pool.release(admit.request_id)
                 self.seqs.pop(admit.request_id, None)
             report.error = error or "another rank of the group refused this step"
         elif plan.batch:
             t1 = time.perf_counter()
-            report.sampled = self._run(plan.batch)
+            try:
+                report.sampled = self._run(plan.batch)
+            except Exception as exc:
+                if self.comm.world_size > 1:
+                    raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed inside the forward, where "
+                                      f"its peers may be waiting in a collective: {exc}") from exc
+                raise
             report.timings["forward_s"] = time.perf_counter() - t1
         if plan.flush_prefix_cache:
             self.pool.flush()

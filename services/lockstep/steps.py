@@ -68,6 +68,7 @@ class Plan:
     batch: tuple[Chunk, ...] = ()
     probes: tuple[Probe, ...] = ()
     flush_prefix_cache: bool = False
+    release_all: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,11 @@ class Report:
     pools: list[PoolState] = field(default_factory=list)
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: this rank no longer knows where its peers are, so it must not serve on.
+
+    torch.distributed groups cannot take a new member, so the only way back is a new group: the rank
+    reports this and exits, and the operator (or `lockstep serve`) recreates the group as a whole.
+    """

@@ -87,6 +87,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
             step=plan.step,
             releases=list(plan.releases),
             flush_prefix_cache=plan.flush_prefix_cache,
+            release_all=plan.release_all,
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
@@ -140,6 +141,7 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
         batch=tuple(batch),
         probes=tuple(Probe(p.request_id, tuple(p.keys)) for p in msg.probes),
         flush_prefix_cache=msg.flush_prefix_cache,
+        release_all=msg.release_all,
     )
     _check_plan(plan)
     return plan

@@ -28,6 +28,18 @@ from lockstep.steps import Plan, Report
 log = logging.getLogger("lockstep.group")
 
 POLL_S = 0.25
+RECONNECT_S = 1.0
+
+
+def _inconsistent(infos: list[rank_pb2.RankInfo], size: int) -> str:
+    """Why these ranks cannot be driven as one group now, or "" when they can."""
+    for r, info in enumerate(infos):
+        if info.rank != r or info.world_size != size:
+            return f"address {r} is rank {info.rank} of {info.world_size}, expected rank {r} of {size}"
+    steps = {i.last_step for i in infos}
+    if len(steps) > 1:
+        return f"the ranks stopped at different steps {sorted(steps)} (a broken group, to be recreated)"
+    return ""
 
 
 class GroupDown(RuntimeError):
@@ -50,17 +62,6 @@ class RankLink:
         self.call = None
         self.info: rank_pb2.RankInfo | None = None
 
-    async def wait_info(self, deadline: float) -> rank_pb2.RankInfo:
-        """Ask the rank what it serves, retrying while it is still loading."""
-        while True:
-            try:
-                self.info = await self.stub.Info(rank_pb2.InfoRequest(), timeout=5)
-                return self.info
-            except grpc.aio.AioRpcError as exc:
-                if time.monotonic() > deadline:
-                    raise GroupDown(f"rank {self.rank} at {self.address} is not reachable: {exc.details()}") from exc
-                await asyncio.sleep(0.2)
-
     async def responsive(self, timeout: float = 1.0) -> bool:
         """Whether the rank's process answers at all: a rank blocked in a collective still does, a stopped
         or hung process does not. This tells the operator which rank holds the others up."""
@@ -71,6 +72,9 @@ class RankLink:
             return False
 
     async def open(self, inbox: asyncio.Queue) -> None:
+        """A new Step stream (the rank ends any older one) whose reports go to `inbox`."""
+        if self.call is not None:
+            self.call.cancel()
         self.call = self.stub.Step()
         asyncio.get_running_loop().create_task(self._read(inbox))
 
@@ -101,7 +105,6 @@ class GroupRunner:
         self,
         name: str,
         addresses: list[str],
-        scheduler: Scheduler,
         metrics: Metrics,
         on_events: Callable[[list], None],
         stall_threshold: float = 5.0,
@@ -109,7 +112,7 @@ class GroupRunner:
     ) -> None:
         self.name = name
         self.links = [RankLink(r, a) for r, a in enumerate(addresses)]
-        self.scheduler = scheduler
+        self.scheduler: Scheduler | None = None
         self.metrics = metrics
         self.on_events = on_events
         self.stall_threshold = stall_threshold
@@ -122,17 +125,63 @@ class GroupRunner:
         self.flush_ranks: set[int] = set()
         self.flush_done: dict[int, asyncio.Future] = {}
         self.last_reports: list[Report] = []
+        self.release_all = False
+        self.ready = asyncio.Event()
         self.task: asyncio.Task | None = None
         metrics.init_group(name, len(addresses))
 
-    async def start(self, connect_timeout: float = 600.0) -> list[rank_pb2.RankInfo]:
-        deadline = time.monotonic() + connect_timeout
-        infos = [await link.wait_info(deadline) for link in self.links]
+    def start(self, make_scheduler: Callable[[list[rank_pb2.RankInfo]], Scheduler]) -> None:
+        """Serve this group for the coordinator's lifetime: connect, step until a rank dies, then wait
+        for a whole group at the same addresses (the operator recreates it) and serve it afresh."""
+        self.make_scheduler = make_scheduler
+        self.task = asyncio.get_running_loop().create_task(self._lifecycle())
+
+    async def _lifecycle(self) -> None:
+        while True:
+            infos = await self._connect()
+            try:
+                self.scheduler = self.make_scheduler(infos)
+            except ValueError as exc:
+                self.down_reason = f"group {self.name} cannot be served: {exc}"
+                log.error("%s; retrying in %d s", self.down_reason, RECONNECT_S * 10)
+                await asyncio.sleep(RECONNECT_S * 10)
+                continue
+            self.step = max(i.last_step for i in infos) + 1
+            self.last_reports = []
+            self.release_all = True
+            self.up = True
+            self.down_reason = ""
+            for link in self.links:
+                self.metrics.rank_up.labels(self.name, str(link.rank)).set(1)
+            log.info("group %s: %d rank(s) up, serving from step %d", self.name, len(self.links), self.step)
+            self.ready.set()
+            await self._loop()
+            self.ready.clear()
+
+    async def _connect(self) -> list[rank_pb2.RankInfo]:
+        """Wait until every rank answers as one group: all fresh, or all at the same step."""
+        said = ""
+        while True:
+            why, infos = "", []
+            for link in self.links:
+                try:
+                    infos.append(await link.stub.Info(rank_pb2.InfoRequest(), timeout=2))
+                except grpc.aio.AioRpcError as exc:
+                    why = f"rank {link.rank} at {link.address} does not answer ({exc.code().name})"
+                    break
+            if not why:
+                why = _inconsistent(infos, len(self.links))
+            if not why:
+                break
+            if why != said:
+                log.info("group %s: waiting for its ranks: %s", self.name, why)
+                said = why
+                if not self.up:
+                    self.down_reason = self.down_reason or why
+            await asyncio.sleep(RECONNECT_S)
+        self.inbox = asyncio.Queue()
         for link in self.links:
             await link.open(self.inbox)
-            self.metrics.rank_up.labels(self.name, str(link.rank)).set(1)
-        self.up = True
-        self.task = asyncio.get_running_loop().create_task(self._loop())
         return infos
 
     def kick(self) -> None:
@@ -165,6 +214,8 @@ class GroupRunner:
                 flushed = set(self.flush_ranks)
                 self.flush_ranks.clear()
                 plan = self.scheduler.plan(self.step, self.last_reports, flush=bool(flushed))
+                if self.release_all:
+                    plan, self.release_all = dataclasses.replace(plan, release_all=True), False
                 t_plan = time.perf_counter()
                 for link in self.links:
                     rank_plan = dataclasses.replace(plan, flush_prefix_cache=True) if link.rank in flushed else plan
@@ -241,10 +292,23 @@ class GroupRunner:
         self.down_reason = reason
         for rank in range(len(self.links)) if ranks is None else ranks:
             self.metrics.rank_up.labels(self.name, str(rank)).set(0)
+        if ranks:
+            asyncio.get_running_loop().create_task(self._poke_survivors(ranks))
         for fut in self.flush_done.values():
             if not fut.done():
                 fut.set_exception(GroupDown(reason))
         self.on_events(self.scheduler.fail_all(reason))
+
+    async def _poke_survivors(self, dead: list[int]) -> None:
+        """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
+        dead peer, so each survivor finds its group broken and exits, and the group can be recreated
+        as a whole, instead of idling on at a step no new peer will ever reach."""
+        for link in self.links:
+            if link.rank not in dead:
+                try:
+                    await link.send(Plan(step=self.step + 1))
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+                    log.info("group %s: rank %d already gone (%s)", self.name, link.rank, exc)
 
     async def close(self) -> None:
         if self.task is not None:

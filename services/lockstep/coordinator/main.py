@@ -84,31 +84,32 @@ async def run(
     tokenizer = Tokenizer.from_dir(model_dir)
     limits = SchedulerLimits(args.page_size, args.max_num_batched_tokens, args.max_num_seqs,
                              not args.no_prefix_caching)
+    config = json.loads((model_dir / "config.json").read_text())
     coord = Coordinator(args.groups, tokenizer, model_name(model_dir, args.served_model_name), limits,
-                        args.stall_threshold, args.dead_rank_timeout)
+                        int(config.get("max_position_embeddings", 2048)), args.stall_threshold,
+                        args.dead_rank_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     progress(f"waiting for {sum(len(a) for a in args.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
-    start = loop.create_task(coord.start())
-    waiter = loop.create_task(stop.wait())
-    watcher = loop.create_task(_watch_children(children or [], progress))
-    done, _ = await asyncio.wait({start, waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if start not in done:
-        start.cancel()
-        await coord.close()
-        return 1
-    start.result()
+    coord.start()
     api = OpenAIServer(coord)
     runner = await run_app(api.app(), args.host, args.http_port)
     grpc_server = await start_grpc(api, args.host, args.grpc_port)
-    if on_ready:
-        on_ready()
+    ready = loop.create_task(coord.wait_ready())
+    waiter = loop.create_task(stop.wait())
+    watcher = loop.create_task(_watch_children(children or [], progress))
+    done, _ = await asyncio.wait({ready, waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if ready in done:
+        if on_ready:
+            on_ready()
+        else:
+            progress(f"serving http://{args.host}:{args.http_port}/v1 (gRPC on {args.grpc_port})")
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
     else:
-        progress(f"serving http://{args.host}:{args.http_port}/v1 (gRPC on {args.grpc_port})")
-    done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
     code = 0 if waiter in done else 1
     await grpc_server.stop(1)
     await runner.cleanup()

@@ -49,13 +49,14 @@ class Coordinator:
         tokenizer: Tokenizer,
         model_name: str,
         limits: SchedulerLimits,
+        max_model_len: int,
         stall_threshold: float = 5.0,
         dead_rank_timeout: float = 30.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
-        self.max_model_len = 0
+        self.max_model_len = max_model_len
         self.metrics = Metrics()
         self.group_addresses = groups
         self.stall_threshold = stall_threshold
@@ -64,37 +65,40 @@ class Coordinator:
         self.live: dict[str, _Live] = {}
         self._seen: dict[str, dict] = {}
 
-    async def start(self, connect_timeout: float = 600.0) -> None:
+    def start(self) -> None:
+        """Start every group's loop; each connects on its own, so one group that is down never holds
+        up the others (and comes back by itself once its ranks are whole again)."""
         for name, addresses in self.group_addresses.items():
-            runner = GroupRunner(name, addresses, None, self.metrics,  # scheduler set once Info is known
-                                 lambda events, g=name: self._dispatch(g, events),
+            runner = GroupRunner(name, addresses, self.metrics, lambda events, g=name: self._dispatch(g, events),
                                  self.stall_threshold, self.dead_rank_timeout)
-            infos = [await link.wait_info(time.monotonic() + connect_timeout) for link in runner.links]
-            self._check_infos(name, infos)
-            runner.scheduler = Scheduler(
-                page_size=self.limits.page_size,
-                salt=key_salt(infos[0].model_id, self.limits.page_size),
-                max_num_batched_tokens=self.limits.max_num_batched_tokens,
-                max_num_seqs=self.limits.max_num_seqs,
-                ranks=len(addresses),
-                prefix_caching=self.limits.prefix_caching,
-                max_model_len=min(i.max_model_len for i in infos),
-            )
-            lens = [i.max_model_len for i in infos]
-            self.max_model_len = min(lens) if not self.max_model_len else min(self.max_model_len, *lens)
-            await runner.start(connect_timeout)
+            runner.start(lambda infos, g=name: self._make_scheduler(g, infos))
             self.groups[name] = runner
 
-    def _check_infos(self, group: str, infos: list) -> None:
+    async def wait_ready(self) -> None:
+        """Return once at least one group is up."""
+        waits = [asyncio.ensure_future(g.ready.wait()) for g in self.groups.values()]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _make_scheduler(self, group: str, infos: list) -> Scheduler:
         for r, info in enumerate(infos):
-            if info.rank != r or info.world_size != len(infos):
-                raise RuntimeError(f"group {group}: address {r} is rank {info.rank} of {info.world_size}, "
-                                   f"expected rank {r} of {len(infos)}")
             if info.page_size != self.limits.page_size:
-                raise RuntimeError(f"group {group}: rank {r} uses page size {info.page_size}, the coordinator "
-                                   f"{self.limits.page_size}")
+                raise ValueError(f"rank {r} uses page size {info.page_size}, the coordinator {self.limits.page_size}")
             if info.model_id != infos[0].model_id:
-                raise RuntimeError(f"group {group}: rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
+                raise ValueError(f"rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
+        self._seen.pop(group, None)
+        return Scheduler(
+            page_size=self.limits.page_size,
+            salt=key_salt(infos[0].model_id, self.limits.page_size),
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            max_num_seqs=self.limits.max_num_seqs,
+            ranks=len(infos),
+            prefix_caching=self.limits.prefix_caching,
+            max_model_len=min([self.max_model_len, *(i.max_model_len for i in infos)]),
+        )
 
     def healthy(self) -> bool:
         return any(g.up for g in self.groups.values())
@@ -104,8 +108,9 @@ class Coordinator:
 
     def metrics_text(self) -> bytes:
         for name, g in self.groups.items():
-            self.metrics.requests.labels(name, "waiting").set(g.scheduler.num_waiting)
-            self.metrics.requests.labels(name, "running").set(g.scheduler.num_running)
+            if g.scheduler is not None:
+                self.metrics.requests.labels(name, "waiting").set(g.scheduler.num_waiting)
+                self.metrics.requests.labels(name, "running").set(g.scheduler.num_running)
         return self.metrics.render()
 
     async def reset_prefix_cache(self, rank: int | None) -> None:

@@ -200,7 +200,14 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             raise _Terminated()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    servicer = RankServicer(cfg.rank)
+    broken: list[str] = []
+
+    def on_fatal(why: str) -> None:
+        log.error("rank %d: %s; exiting so that the group is recreated", cfg.rank, why)
+        broken.append(why)
+        stop.set()
+
+    servicer = RankServicer(cfg.rank, on_fatal=on_fatal)
     address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
     server = RankServer(servicer, address)
     server.start()
@@ -223,7 +230,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
         stop.wait()
-        return 0
+        return 3 if broken else 0
     finally:
         server.stop()
         for s, handler in previous.items():

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
-from lockstep.steps import Plan, Report
+from lockstep.steps import GroupBroken, Plan, Report
 from lockstep.wire import WireError, info_to_proto, plan_from_proto, report_to_proto
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,12 @@ class _Stream:
 class RankServicer(rank_pb2_grpc.RankServiceServicer):
     """RankService over an engine with one method, `step(plan) -> report`."""
 
-    def __init__(self, rank: int, engine: StepEngine | None = None) -> None:
+    def __init__(
+        self, rank: int, engine: StepEngine | None = None, on_fatal: Callable[[str], None] | None = None
+    ) -> None:
         self.rank = rank
         self._engine = engine
+        self._on_fatal = on_fatal
         self._execute_lock = threading.Lock()
         self._streams_lock = threading.Lock()
         self._current: _Stream | None = None
@@ -131,6 +134,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         except Exception as e:
             log.exception("rank %d: step %d failed", self.rank, plan.step)
             report = Report(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
+            if isinstance(e, GroupBroken) and self._on_fatal is not None:
+                self._on_fatal(str(e))
         report.timings[STEP_SECONDS] = time.perf_counter() - t0
         self._last_plan, self._last_report = plan, report
         self.executed += 1
