@@ -36,43 +36,57 @@ def http(method: str, url: str, body: dict | bytes | None = None, timeout: float
 
 
 class Cluster:
-    """One group of `tp` ranks and its coordinator; `url` is the coordinator's HTTP root."""
+    """`groups` groups of `tp` ranks and one coordinator; `url` is the coordinator's HTTP root.
+
+    `ranks` are group g0's processes; `group_ranks[i]` those of group g<i>.
+    """
 
     def __init__(self, model_dir: Path, tp: int = 2, kv_pages: list[int] | int = 128, page_size: int = 16,
                  coordinator_args: list[str] | None = None, log_dir: Path | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, groups: int = 1) -> None:
         self.model_dir = model_dir
         self.tp = tp
         self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
         self.pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
         self.page_size, self.prefix_caching = page_size, prefix_caching
-        self.rank_ports = [free_port() for _ in range(tp)]
+        self.coordinator_args = coordinator_args or []
+        self.group_ports = [[free_port() for _ in range(tp)] for _ in range(groups)]
+        self.rank_ports = self.group_ports[0]
+        self.group_ranks: list[list[subprocess.Popen]] = [[] for _ in range(groups)]
         self.http_port, self.grpc_port = free_port(), free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.start_ranks()
-        cmd = [sys.executable, "-m", "lockstep.cli", "coordinator",
-               "--group", "g0=" + ",".join(f"127.0.0.1:{p}" for p in self.rank_ports),
-               "--model", str(model_dir), "--host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--grpc-port", str(self.grpc_port), "--page-size", str(page_size), *(coordinator_args or [])]
-        if not prefix_caching:
-            cmd.append("--no-prefix-caching")
-        self.coordinator = self._spawn(cmd, env, "coordinator")
+        for g in range(groups):
+            self.start_ranks(g)
+        self.start_coordinator()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.wait_healthy()
 
-    def start_ranks(self) -> None:
-        """(Re)start every rank as a new group at the same addresses, as the operator recreates one."""
+    @property
+    def ranks(self) -> list[subprocess.Popen]:
+        return self.group_ranks[0]
+
+    def start_coordinator(self) -> None:
+        cmd = [sys.executable, "-m", "lockstep.cli", "coordinator"]
+        for g, ports in enumerate(self.group_ports):
+            cmd += ["--group", f"g{g}=" + ",".join(f"127.0.0.1:{p}" for p in ports)]
+        cmd += ["--model", str(self.model_dir), "--host", "127.0.0.1", "--http-port", str(self.http_port),
+                "--grpc-port", str(self.grpc_port), "--page-size", str(self.page_size), *self.coordinator_args]
+        if not self.prefix_caching:
+            cmd.append("--no-prefix-caching")
+        self.coordinator = self._spawn(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, "coordinator")
+
+    def start_ranks(self, group: int = 0) -> None:
+        """(Re)start every rank of a group as a new group at the same addresses, as the operator does."""
         rendezvous = f"127.0.0.1:{free_port()}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.ranks = []
+        procs = self.group_ranks[group] = []
         for r in range(self.tp):
             cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(self.tp),
-                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.rank_ports[r]),
+                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.group_ports[group][r]),
                    "--model", str(self.model_dir), "--page-size", str(self.page_size),
                    "--kv-pages", str(self.pages[r]), "--threads", "1"]
             if not self.prefix_caching:
                 cmd.append("--no-prefix-caching")
-            self.ranks.append(self._spawn(cmd, env, f"rank{r}"))
+            procs.append(self._spawn(cmd, env, f"g{group}-rank{r}"))
 
     def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
         path = self.log_dir / f"lockstep-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
@@ -87,7 +101,7 @@ class Cluster:
     def wait_healthy(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for p in [*self.ranks, self.coordinator]:
+            for p in [*self.all_ranks(), self.coordinator]:
                 if p.poll() is not None:
                     raise RuntimeError(f"a process exited with {p.returncode}:\n{self.log(p)[-3000:]}")
             try:
@@ -132,12 +146,15 @@ class Cluster:
                 raise AssertionError(f"pages still used after idle: used={used} running={running} waiting={waiting}")
             time.sleep(0.2)
 
+    def all_ranks(self) -> list[subprocess.Popen]:
+        return [p for group in self.group_ranks for p in group]
+
     def close(self) -> None:
-        for p in [self.coordinator, *self.ranks]:
+        for p in [self.coordinator, *self.all_ranks()]:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.terminate()
-        for p in [self.coordinator, *self.ranks]:
+        for p in [self.coordinator, *self.all_ranks()]:
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:

@@ -208,8 +208,7 @@ class GroupRunner:
         try:
             while True:
                 if not self.scheduler.has_work() and not self.flush_ranks and self.last_reports:
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
+                    await self._idle()
                 t0 = time.perf_counter()
                 flushed = set(self.flush_ranks)
                 self.flush_ranks.clear()
@@ -247,6 +246,23 @@ class GroupRunner:
         except Exception as exc:  # a bug here must fail requests loudly, not leave them waiting
             log.exception("group %s step loop failed", self.name)
             self._go_down(f"group {self.name} failed: {exc}")
+
+    async def _idle(self) -> None:
+        """Wait for work, but notice a rank whose stream breaks meanwhile (an idle group is watched too)."""
+        self.wakeup.clear()
+        woken = asyncio.ensure_future(self.wakeup.wait())
+        try:
+            while not woken.done():
+                got = asyncio.ensure_future(self.inbox.get())
+                await asyncio.wait({woken, got}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    break
+                rank, item = got.result()
+                if isinstance(item, str):
+                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
+        finally:
+            woken.cancel()
 
     async def _gather(self, step: int) -> list[Report]:
         wait = AgreementWait(step, list(range(len(self.links))), time.monotonic())

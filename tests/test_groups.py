@@ -1,0 +1,84 @@
+"""A coordinator over several groups, and over ranks that outlive it."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cluster import Cluster, http
+
+
+def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def complete(c: Cluster, tokens: list[int], n: int) -> dict:
+    status, body = c.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                               "return_token_ids": True})
+    assert status == 200, body
+    return body
+
+
+def wait_groups_up(c: Cluster, names: set[str], timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        _, detail = http("GET", c.url + "/health")
+        if {n for n, g in detail.items() if g["up"]} == names or time.monotonic() > deadline:
+            return detail
+        time.sleep(0.3)
+
+
+def test_new_coordinator_releases_what_the_old_one_left(tiny_llama, tmp_path):
+    c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(http, "POST", c.url + "/v1/completions",
+                        {"prompt": prompt(1, 40), "max_tokens": 400, "ignore_eos": True}, 30)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and sum(c.metric("lockstep_rank_pages", state="used")) == 0:
+                time.sleep(0.1)
+            assert sum(c.metric("lockstep_rank_pages", state="used")) > 0
+            c.coordinator.send_signal(signal.SIGKILL)
+            c.coordinator.wait()
+        c.start_coordinator()
+        c.wait_healthy()
+        first = complete(c, prompt(2, 20), 6)
+        c.assert_no_leak()
+        again = complete(c, prompt(2, 20), 6)
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        c.assert_no_leak()
+    finally:
+        c.close()
+
+
+def test_requests_spread_over_groups_and_one_down_group_does_not_stop_the_other(tiny_llama, tmp_path):
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, groups=2)
+    try:
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        prompts = [prompt(10 + i, 12) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: complete(c, p, 12)["choices"][0]["token_ids"], prompts))
+        assert all(len(o) == 12 for o in outs)
+        per_group = {g: sum(c.metric("lockstep_generation_tokens_total", group=g)) for g in ("g0", "g1")}
+        assert per_group["g0"] > 0 and per_group["g1"] > 0, per_group
+        assert sum(per_group.values()) == 8 * 12
+
+        c.group_ranks[1][0].kill()
+        detail = wait_groups_up(c, {"g0"})
+        assert not detail["g1"]["up"] and detail["g0"]["up"]
+        assert http("GET", c.url + "/health")[0] == 200
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda p: complete(c, p, 12)["choices"][0]["token_ids"], prompts[:4]))
+        assert again == outs[:4]
+
+        c.start_ranks(1)
+        assert wait_groups_up(c, {"g0", "g1"})["g1"]["up"]
+        assert complete(c, prompts[5], 12)["choices"][0]["token_ids"] == outs[5]
+        c.assert_no_leak()
+    finally:
+        c.close()
