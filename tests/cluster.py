@@ -54,11 +54,16 @@ class Cluster:
         self.rank_ports = self.group_ports[0]
         self.group_ranks: list[list[subprocess.Popen]] = [[] for _ in range(groups)]
         self.http_port, self.grpc_port = free_port(), free_port()
-        for g in range(groups):
-            self.start_ranks(g)
-        self.start_coordinator()
+        self.coordinator: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.http_port}"
-        self.wait_healthy()
+        try:
+            for g in range(groups):
+                self.start_ranks(g)
+            self.start_coordinator()
+            self.wait_healthy()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def ranks(self) -> list[subprocess.Popen]:
@@ -150,11 +155,12 @@ class Cluster:
         return [p for group in self.group_ranks for p in group]
 
     def close(self) -> None:
-        for p in [self.coordinator, *self.all_ranks()]:
+        procs = [p for p in [self.coordinator, *self.all_ranks()] if p is not None]
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.terminate()
-        for p in [self.coordinator, *self.all_ranks()]:
+        for p in procs:
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:

@@ -60,6 +60,7 @@ class RankLink:
         self.stub = rank_pb2_grpc.RankServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.call = None
+        self.outbox: asyncio.Queue = asyncio.Queue()
         self.info: rank_pb2.RankInfo | None = None
 
     async def responsive(self, timeout: float = 1.0) -> bool:
@@ -76,7 +77,10 @@ class RankLink:
         if self.call is not None:
             self.call.cancel()
         self.call = self.stub.Step()
-        asyncio.get_running_loop().create_task(self._read(inbox))
+        self.outbox = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._read(inbox))
+        loop.create_task(self._write(self.call, self.outbox, inbox))
 
     async def _read(self, inbox: asyncio.Queue) -> None:
         try:
@@ -89,8 +93,18 @@ class RankLink:
             return
         await inbox.put((self.rank, reason))
 
-    async def send(self, plan: Plan) -> None:
-        await self.call.write(wire.plan_to_proto(plan))
+    async def _write(self, call, outbox: asyncio.Queue, inbox: asyncio.Queue) -> None:
+        """Write queued plans in order, off the step loop: the loop waits for reports, not for writes."""
+        try:
+            while True:
+                await call.write(await outbox.get())
+        except asyncio.CancelledError:
+            return
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+            await inbox.put((self.rank, f"its stream broke while sending: {exc}"))
+
+    def send(self, plan: Plan | rank_pb2.PlanMsg) -> None:
+        self.outbox.put_nowait(plan if isinstance(plan, rank_pb2.PlanMsg) else wire.plan_to_proto(plan))
 
     async def close(self) -> None:
         if self.call is not None:
@@ -216,12 +230,12 @@ class GroupRunner:
                 if self.release_all:
                     plan, self.release_all = dataclasses.replace(plan, release_all=True), False
                 t_plan = time.perf_counter()
-                for link in self.links:
-                    rank_plan = dataclasses.replace(plan, flush_prefix_cache=True) if link.rank in flushed else plan
-                    await link.send(rank_plan)
+                self._send(plan, flushed)
                 t_sent = time.perf_counter()
                 reports = await self._gather(plan.step)
                 t_reports = time.perf_counter()
+                if plan.probes:  # the prefix answers ride on this step's reports: their wait is this one
+                    self.metrics.agreement_wait.labels(self.name, "prefix").observe(t_reports - t_sent)
                 for r in flushed:
                     fut = self.flush_done.pop(r, None)
                     if fut is not None and not fut.done():
@@ -246,6 +260,13 @@ class GroupRunner:
         except Exception as exc:  # a bug here must fail requests loudly, not leave them waiting
             log.exception("group %s step loop failed", self.name)
             self._go_down(f"group {self.name} failed: {exc}")
+
+    def _send(self, plan: Plan, flushed: set[int]) -> None:
+        """Serialize the plan once and queue it for every rank's stream writer."""
+        msg = wire.plan_to_proto(plan)
+        flush_msg = wire.plan_to_proto(dataclasses.replace(plan, flush_prefix_cache=True)) if flushed else msg
+        for link in self.links:
+            link.send(flush_msg if link.rank in flushed else msg)
 
     async def _idle(self) -> None:
         """Wait for work, but notice a rank whose stream breaks meanwhile (an idle group is watched too)."""
@@ -309,22 +330,19 @@ class GroupRunner:
         for rank in range(len(self.links)) if ranks is None else ranks:
             self.metrics.rank_up.labels(self.name, str(rank)).set(0)
         if ranks:
-            asyncio.get_running_loop().create_task(self._poke_survivors(ranks))
+            self._poke_survivors(ranks)
         for fut in self.flush_done.values():
             if not fut.done():
                 fut.set_exception(GroupDown(reason))
         self.on_events(self.scheduler.fail_all(reason))
 
-    async def _poke_survivors(self, dead: list[int]) -> None:
+    def _poke_survivors(self, dead: list[int]) -> None:
         """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
         dead peer, so each survivor finds its group broken and exits, and the group can be recreated
         as a whole, instead of idling on at a step no new peer will ever reach."""
         for link in self.links:
-            if link.rank not in dead:
-                try:
-                    await link.send(Plan(step=self.step + 1))
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
-                    log.info("group %s: rank %d already gone (%s)", self.name, link.rank, exc)
+            if link.rank not in dead and link.call is not None:
+                link.send(Plan(step=self.step + 1))
 
     async def close(self) -> None:
         if self.task is not None:

@@ -1,0 +1,72 @@
+"""`lockstep bench` end to end: a served TP 2 group and the in-process limit on one tiny workload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lockstep.bench import main, make_workload, percentile
+
+REQUESTS, TOKENS = 6, 32
+
+
+def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["--tiny", "--requests", str(REQUESTS), "--concurrency", "3", "--max-tokens", str(TOKENS),
+               "--min-prompt", "5", "--max-prompt", "60", "--warmup", "1", "--json", str(out)])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    report = json.loads(out.read_text())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert set(runs) == {"served", "in-process"}
+    for name, run in runs.items():
+        assert run["completed"] == REQUESTS and not run["errors"], (name, run["errors"])
+        assert run["output_tokens"] == REQUESTS * TOKENS, name
+        assert run["throughput_tok_s"] > 0 and run["wall_s"] > 0, name
+        assert run["steps"] >= TOKENS, name  # a request gets at most one token per step
+        for key in ("step", "engine", "coordinator", "latency"):
+            assert 0 < run[key]["p50_ms"] <= run[key]["p99_ms"], (name, key, run[key])
+        assert run["coordinator"]["p50_ms"] < run["step"]["p50_ms"], name
+        assert run["coordinator_full_batch"]["steps"] > 0, name
+    served = runs["served"]
+    assert {"plan", "send", "wait", "apply"} <= served["parts"].keys()
+    assert served["parts"]["wait"]["p50_ms"] > 0
+    comparison = report["comparison"]
+    assert comparison["throughput_ratio"] > 0
+    assert comparison["identical_outputs"] == REQUESTS  # greedy: served and in-process agree token for token
+    assert "served / in-process throughput" in table and "coordinator time / step p50" in table
+
+
+def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--tiny", "--min-prompt", "50", "--max-prompt", "10"])
+    assert exc.value.code == 2
+    assert "larger than --max-prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--requests", "0"])
+    assert "positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--requests", "4"])  # neither --model nor --tiny
+
+
+def test_workload_is_deterministic_and_in_range():
+    a = make_workload(20, 7, 40, 32, 4, vocab=100, seed=3)
+    assert a == make_workload(20, 7, 40, 32, 4, vocab=100, seed=3)
+    assert a != make_workload(20, 7, 40, 32, 4, vocab=100, seed=4)
+    lengths = [len(p) for p in a.prompts]
+    assert all(7 <= n <= 40 for n in lengths) and len(set(lengths)) > 1
+    assert all(3 <= t < 100 for p in a.prompts for t in p)
+
+
+def test_percentile_interpolates():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0], 0) == 1.0 and percentile([1.0, 2.0, 3.0], 100) == 3.0
+    assert percentile([1.0] * 99 + [100.0], 99) == pytest.approx(1.99)
+    with pytest.raises(ValueError):
+        percentile([], 50)
