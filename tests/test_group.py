@@ -242,3 +242,17 @@ def test_grpc_inference_service(group, reference, no_leak):
             raise AssertionError("max_tokens=0 was accepted")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in exc.details()
+
+
+def test_cache_off_gives_the_same_outputs_and_never_skips(tiny_llama, reference, tmp_path):
+    c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path, prefix_caching=False)
+    try:
+        p = prompt(100, 45)
+        for _ in range(2):
+            got, body = tokens_of(c, p, 6)
+            assert got == reference(p, 6)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert sum(c.metric("lockstep_prefix_offered_pages_total")) == 0
+        c.assert_no_leak()
+    finally:
+        c.close()
