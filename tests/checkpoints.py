@@ -115,3 +115,11 @@ def make_checkpoint(kind: str, path: Path) -> Path:
     model.save_pretrained(path, max_shard_size=shard)
     done.write_text(kind)
     return path
+
+
+def random_prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
+    """n token ids drawn reproducibly from the ordinary (non-special) range of the tiny vocabularies."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()

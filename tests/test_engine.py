@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints import random_prompt as prompt
 from lockstep.engine import Engine
 from lockstep.kv.page_keys import key_salt, page_keys
 from lockstep.local_group import LocalGroup
@@ -12,10 +13,6 @@ from lockstep.steps import Admit, Chunk, Plan, Probe
 
 PS = 16
 
-
-def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 class Driver:

@@ -12,14 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from checkpoints import random_prompt as prompt
 from cluster import Cluster, http
 
 PS = 16
 
-
-def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")

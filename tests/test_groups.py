@@ -6,14 +6,8 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
+from checkpoints import random_prompt as prompt
 from cluster import Cluster, http
-
-
-def prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def complete(c: Cluster, tokens: list[int], n: int) -> dict:
