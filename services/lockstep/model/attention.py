@@ -8,7 +8,7 @@ each sequence's keys in the page pool; `paged_attention` is the one seam a GPU k
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ class AttentionBatch:
     page_tables: tuple[tuple[int, ...], ...]
     page_tensors: tuple[torch.Tensor, ...]  # each sequence's page table on the device, made once per step
     max_page: int
+    single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
+    _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +55,7 @@ class AttentionBatch:
         positions: list[int] = []
         slots: list[int] = []
         offsets = [0]
-        starts, lens, tables = [], [], []
+        starts, lens, tables, singles = [], [], [], []
         for i, (start, n, table) in enumerate(spans):
             table = tuple(int(p) for p in table)
             if start < 0 or n < 1:
@@ -64,9 +67,14 @@ class AttentionBatch:
                     f"need {needed} of {page_size} tokens")
             if any(p < 0 for p in table[:needed]):
                 raise ValueError(f"sequence {i}: negative page id in its page table {table[:needed]}")
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // page_size] * page_size + pos % page_size)
+            if n == 1:
+                singles.append(i)
+                positions.append(start)
+                slots.append(table[start // page_size] * page_size + start % page_size)
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // page_size] * page_size + p % page_size
+                             for p in range(start, start + n))
             offsets.append(offsets[-1] + n)
             starts.append(start)
             lens.append(n)
@@ -90,7 +98,98 @@ class AttentionBatch:
             page_tables=tuple(tables),
             page_tensors=tuple(as_tensor(list(t)) for t in tables),
             max_page=max(max(t) for t in tables),
+            single_seqs=tuple(singles),
         )
+
+    def single_gathers(self, window: int | None) -> tuple[_SingleGather, ...]:
+        """The one-token sequences in groups of like KV length, for layers of this window; made once per step.
+
+        Sequences are taken longest first, and a group closes when padding to its longest would waste more
+        than half the pages it gathers; so a batch of mixed lengths is one call, and one very long
+        sequence among short ones does not make every row as long as it.
+        """
+        groups = self._gathers.get(window)
+        if groups is None:
+            ps = self.page_size
+            lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
+            pages = {i: -(-(self.starts[i] + 1) // ps) - lo[i] // ps for i in self.single_seqs}
+            members: list[list[int]] = []
+            total = 0
+            for i in sorted(self.single_seqs, key=lambda i: -pages[i]):
+                if members and (len(members[-1]) + 1) * pages[members[-1][0]] <= 2 * (total + pages[i]):
+                    members[-1].append(i)
+                    total += pages[i]
+                else:
+                    members.append([i])
+                    total = pages[i]
+            groups = tuple(_SingleGather.build(self, sorted(m), window) for m in members)
+            self._gathers[window] = groups
+        return groups
+
+
+@dataclass(frozen=True)
+class _SingleGather:
+    """Pages to gather for a group of one-token sequences, padded to one width, and which slots each sees.
+
+    Padding only over KV length: each sequence reads its own pages (from the first its window reaches),
+    the rest of its row is page 0, masked out, so one SDPA call serves the group. A lone sequence needs
+    no mask: its keys are sliced to exactly the positions it sees.
+    """
+
+    rows: torch.Tensor | None  # [S1] flat index of each sequence's query; None: the whole batch in order
+    pages: torch.Tensor  # [S1, P] page ids
+    mask: torch.Tensor | None  # [S1, 1, 1, kept slots] True where the query may look
+    keep: slice  # gathered slots that hold keys some query sees
+    _made: dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def buffer(self, name: str, cache: torch.Tensor) -> torch.Tensor:
+        """Where `name` (k or v) pages are gathered: allocated on the first layer, reused by all others."""
+        key = (name, cache.dtype, cache.device)
+        buf = self._made.get(key)
+        if buf is None:
+            buf = self._made[key] = cache.new_empty((self.pages.numel(), *cache.shape[1:]))
+        return buf
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as 0 / -inf in the queries' dtype, so SDPA does not convert it again on every layer."""
+        if self.mask is None:
+            return None
+        bias = self._made.get(dtype)
+        if bias is None:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias = self._made[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+        return bias
+
+    @classmethod
+    def build(cls, batch: AttentionBatch, seqs: list[int], window: int | None) -> _SingleGather:
+        ps = batch.page_size
+        firsts, lows, ends, tables = [], [], [], []
+        for i in seqs:
+            end = batch.starts[i] + 1
+            lo = 0 if window is None else max(0, end - window)
+            firsts.append(lo // ps)
+            lows.append(lo)
+            ends.append(end)
+            tables.append(batch.page_tables[i][lo // ps:])
+        width = max(len(t) for t in tables)
+        device = batch.positions.device
+        padded = [list(t) + [0] * (width - len(t)) for t in tables]
+        pages = torch.tensor(padded, dtype=torch.long, device=device)
+        rows = None
+        if len(seqs) < batch.num_seqs:
+            offsets = [0]
+            for n in batch.query_lens:
+                offsets.append(offsets[-1] + n)
+            rows = torch.tensor([offsets[i] for i in seqs], dtype=torch.long, device=device)
+        if len(seqs) == 1:
+            base = firsts[0] * ps
+            return cls(rows=rows, pages=pages, mask=None, keep=slice(lows[0] - base, ends[0] - base))
+        pos = torch.arange(width * ps, device=device) + torch.tensor(firsts, device=device).unsqueeze(1) * ps
+        lo_t = torch.tensor(lows, device=device).unsqueeze(1)
+        end_t = torch.tensor(ends, device=device).unsqueeze(1)
+        hi = max(e - f * ps for e, f in zip(ends, firsts, strict=True))
+        mask = ((pos >= lo_t) & (pos < end_t))[:, :hi]
+        return cls(rows=rows, pages=pages, mask=mask.view(len(seqs), 1, 1, hi), keep=slice(0, hi))
 
 
 def write_kv(
@@ -117,11 +216,19 @@ def paged_attention(
     Query j of a sequence sits at position start + j and sees key positions p with p <= start + j and,
     on a sliding layer, p > start + j - window. The k/v of this step must already be in the cache.
     """
-    out = torch.empty_like(q)
-    page_size = batch.page_size
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    groups = batch.single_gathers(window) if batch.single_seqs else ()
+    if len(groups) == 1 and groups[0].rows is None:
+        return _single_token_attention(q, k_cache, v_cache, groups[0], scale)
+    out = torch.empty_like(q)
+    for group in groups:
+        out[group.rows] = _single_token_attention(q[group.rows], k_cache, v_cache, group, scale)
+    page_size = batch.page_size
     a = 0
     for start, n, table in zip(batch.starts, batch.query_lens, batch.page_tensors, strict=True):
+        if n == 1:
+            a += 1
+            continue
         kv_len = start + n
         lo = 0 if window is None else max(0, start + 1 - window)
         first_page = lo // page_size
@@ -130,13 +237,11 @@ def paged_attention(
         k = k_cache[pages].reshape(-1, kv_heads, head_dim)[lo - base: kv_len - base]
         v = v_cache[pages].reshape(-1, kv_heads, head_dim)[lo - base: kv_len - base]
         qi = q[a: a + n].transpose(0, 1).unsqueeze(0)
-        mask = None
-        if n > 1 or (window is not None and kv_len - lo > window):
-            q_pos = torch.arange(start, kv_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(lo, kv_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask = mask & (k_pos > q_pos - window)
+        q_pos = torch.arange(start, kv_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(lo, kv_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
         o = F.scaled_dot_product_attention(
             qi, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype),
             attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv_heads,
@@ -144,3 +249,18 @@ def paged_attention(
         out[a: a + n] = o.squeeze(0).transpose(0, 1)
         a += n
     return out
+
+
+def _single_token_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _SingleGather, scale: float
+) -> torch.Tensor:
+    """q: [S1, heads, head_dim], one query per sequence at its last position: one gather, one SDPA call."""
+    s1, kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    flat = plan.pages.view(-1)
+    k = torch.index_select(k_cache, 0, flat, out=plan.buffer("k", k_cache))
+    v = torch.index_select(v_cache, 0, flat, out=plan.buffer("v", v_cache))
+    k = k.view(s1, -1, kv_heads, head_dim)[:, plan.keep].transpose(1, 2).to(q.dtype)
+    v = v.view(s1, -1, kv_heads, head_dim)[:, plan.keep].transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=plan.bias(q.dtype), scale=scale, enable_gqa=q.shape[1] != kv_heads)
+    return o.squeeze(2)

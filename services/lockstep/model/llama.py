@@ -51,10 +51,14 @@ class Attention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes(), dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, batch)
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in each row, so one RoPE call rotates both heads' groups.
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk_width = qk_heads * self.head_dim
+        qk = apply_rope(qkv[:, :qk_width].view(t, qk_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_width:].view(t, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, k_cache, v_cache, batch)
         o = paged_attention(q, k_cache, v_cache, batch, self.window, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
