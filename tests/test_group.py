@@ -183,6 +183,9 @@ def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, 
         for p, got in zip(prompts, results, strict=True):
             assert got == reference(p, 24)
         assert sum(c.metric("lockstep_preemptions_total")) > 0
+        status, body = c.complete({"prompt": prompt(799, 30), "max_tokens": 200, "ignore_eos": True})
+        assert status == 400 and body["error"]["code"] == "request_too_large", body
+        assert "smallest rank pool holds 10" in body["error"]["message"]
         assert "refused by the ranks" not in c.log(c.coordinator), "a rank was asked for more than it had"
         c.assert_no_leak()
     finally:

@@ -46,6 +46,7 @@ class TokenEvent:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str = ""
+    status: int = 503
 
 
 @dataclass
@@ -283,6 +284,8 @@ class OpenAIServer:
         events = self.frontend.generate(rid, spec)
         try:
             async for ev in events:
+                if ev.error and ev.status < 500:
+                    raise ApiError(ev.status, ev.error, "max_tokens", "request_too_large")
                 if ev.error:
                     raise ApiError(503, ev.error, code="group_unavailable", err_type="service_unavailable")
                 if ev.token_id is not None:

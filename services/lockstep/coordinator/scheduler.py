@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lockstep.coordinator.admission import AdmissionControl, Decision, pages_for
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
@@ -42,6 +42,7 @@ class Event:
     token_id: int | None = None
     finish_reason: str | None = None
     error: str = ""
+    retriable: bool = True  # False: the request itself can never be served (the client must change it)
 
 
 @dataclass
@@ -301,12 +302,13 @@ class Scheduler:
             req = self.waiting[0]
             need = pages_for(req.max_positions, self.page_size)
             if need > control.largest_request_pages():
-                self._events.append(self._finish(
+                event = self._finish(
                     req,
                     "error",
                     f"request {req.request_id} needs up to {need} KV pages"
                     f" but the smallest rank pool holds {control.largest_request_pages()}",
-                ))
+                )
+                self._events.append(replace(event, retriable=False))
                 continue
             answers: list[ProbeAnswer | None] = []
             agreed = 0

@@ -169,7 +169,8 @@ class Coordinator:
             elif ev.kind == "finished":
                 cached = live.request.cached_tokens
                 if ev.finish_reason == "error":
-                    live.queue.put_nowait(TokenEvent(None, None, cached, error=ev.error))
+                    status = 503 if ev.retriable else 400
+                    live.queue.put_nowait(TokenEvent(None, None, cached, error=ev.error, status=status))
                 else:
                     live.queue.put_nowait(TokenEvent(None, ev.finish_reason, cached))
                 self.metrics.request_duration.labels(group).observe(now - live.arrived)
