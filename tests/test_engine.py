@@ -149,3 +149,18 @@ def test_tp2_flushed_rank_answers_its_own_match(tiny_llama):
         out = d.generate("i", p, 4)
         assert out[0] == out[1]
         d.send({"releases": ("i",)})
+
+
+def test_tp2_unexpected_error_on_one_rank_still_reaches_the_agreement(tiny_llama):
+    """A bug while preparing a step on one rank (here a request id that cannot be hashed) must not leave
+    the other rank alone in the agreement collective: both refuse the step, and the group goes on."""
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64, timeout_s=60) as group:
+        p = tuple(prompt(10, 20))
+        good = Plan(step=0, admits=(Admit("j"),), batch=(Chunk("j", p, 0, sample=True),))
+        bad = Plan(step=0, admits=(Admit(["j"]),), batch=(Chunk("j", p, 0, sample=True),))  # type: ignore[arg-type]
+        reports = group.step([good, bad])
+        assert "TypeError while preparing the step" in reports[1].error
+        assert reports[0].error == "another rank of the group refused this step"
+        assert [r.pools[0].used for r in reports] == [0, 0]
+        again = group.step(Plan(step=1, admits=(Admit("k"),), batch=(Chunk("k", p, 0, sample=True),)))
+        assert not again[0].error and again[0].sampled == again[1].sampled

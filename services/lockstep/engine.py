@@ -13,6 +13,7 @@ that one small all-reduce, so no rank ever skips a collective that the others en
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from lockstep.model.loader import load_model
 from lockstep.model.sampling import sample
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.steps import Chunk, GroupBroken, Plan, ProbeAnswer, Report, Sampled
+
+log = logging.getLogger("lockstep.engine")
 
 POOL = "default"
 DEFAULT_CPU_KV_BUDGET = 1 << 30
@@ -188,6 +191,9 @@ class Engine:
                 self._reserve(chunk)
         except (PrefixNotHeld, OutOfPages, StepRefused, ValueError) as exc:
             return f"rank {self.comm.rank}: {exc}"
+        except Exception as exc:  # a bug must still reach the agreement collective, or the peers hang in it
+            log.exception("rank %d: preparing step %d failed", self.comm.rank, plan.step)
+            return f"rank {self.comm.rank}: {type(exc).__name__} while preparing the step: {exc}"
         return ""
 
     def _reserve(self, chunk: Chunk) -> None:
