@@ -412,3 +412,21 @@ def test_rank_process_sigterm_while_loading_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_refused_plan_breaks_a_group_of_several_ranks():
+    """Under TP the peers may be running the plan this rank cannot: the rank must go (and be recreated)
+    rather than serve on while they wait for it in a collective."""
+    from lockstep.rank.service import RankServicer
+
+    class TwoRankEngine(PoolEngine):
+        def info(self) -> dict:
+            return {**super().info(), "world_size": 2}
+
+    fatal: list[str] = []
+    servicer = RankServicer(0, TwoRankEngine(), on_fatal=fatal.append)
+    servicer.execute(Plan(step=0))
+    assert not fatal
+    report = servicer.execute(Plan(step=2))
+    assert "expected step 1" in report.error
+    assert fatal and "plan 2 cannot be carried out here" in fatal[0]

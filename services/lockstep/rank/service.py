@@ -141,9 +141,19 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self.executed += 1
         return report
 
-    def _refuse(self, plan: Plan, why: str) -> Report:
+    def _refuse(self, plan: Plan | pb.PlanMsg, why: str) -> Report:
+        """Answer a plan without running it. In a group of several ranks the peers may be running it, and
+        would wait in its collectives for this rank forever: the group is broken, so the rank exits."""
         log.error("rank %d: refusing plan %d: %s", self.rank, plan.step, why)
+        if self._on_fatal is not None and self._world_size() > 1:
+            self._on_fatal(f"plan {plan.step} cannot be carried out here ({why}) while the peers may run it")
         return Report(step=plan.step, rank=self.rank, error=why)
+
+    def _world_size(self) -> int:
+        try:
+            return int(self._engine.info().get("world_size", 1)) if self._engine is not None else 1
+        except Exception:
+            return 1
 
     def _open(self, context: grpc.ServicerContext) -> _Stream:
         if self._engine is None:
@@ -174,7 +184,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             try:
                 plan = plan_from_proto(msg)
             except WireError as e:
-                yield report_to_proto(Report(step=msg.step, rank=self.rank, error=f"bad plan: {e}"))
+                yield report_to_proto(self._refuse(msg, f"bad plan: {e}"))
                 continue
             with self._execute_lock:
                 if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
