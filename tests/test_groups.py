@@ -76,3 +76,32 @@ def test_requests_spread_over_groups_and_one_down_group_does_not_stop_the_other(
         c.assert_no_leak()
     finally:
         c.close()
+
+
+def test_requests_of_a_dead_group_are_replayed_on_another(tiny_llama, tmp_path):
+    """Killing the group that runs a request mid-generation: the request finishes on the other group,
+    with every token it was asked for, the same greedy tokens as an undisturbed run, and no leak."""
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, groups=2,
+                coordinator_args=["--dead-rank-timeout", "5"])
+    try:
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        p = prompt(50, 20)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, c, p, 300)
+            deadline = time.monotonic() + 20
+            running = {}
+            while time.monotonic() < deadline:
+                running = {g: sum(c.metric("lockstep_requests", group=g, state="running")) for g in ("g0", "g1")}
+                if any(running.values()):
+                    break
+                time.sleep(0.05)
+            victim = 0 if running.get("g0") else 1
+            time.sleep(0.3)
+            c.group_ranks[victim][0].kill()
+            body = fut.result(timeout=60)
+        assert len(body["choices"][0]["token_ids"]) == 300
+        assert f"moves from group g{victim} to g{1 - victim}" in c.log(c.coordinator)
+        undisturbed = complete(c, p, 300)["choices"][0]["token_ids"]
+        assert body["choices"][0]["token_ids"] == undisturbed
+    finally:
+        c.close()

@@ -712,3 +712,28 @@ def test_requeue_all_keeps_requests_across_a_dead_rank_and_replays_them():
     for r in reqs:
         assert r.generated[: len(kept[r.request_id])] == kept[r.request_id]
         assert r.generated == reference(r) and r.finish_reason == "length"
+
+
+def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
+    """Group A goes down mid-generation; group B adopts the request, recomputes prompt + generated and
+    produces exactly the tokens an undisturbed run would have, keeping what the client already has."""
+    a_sched = make_sched(budget=32, caching=False)
+    a = Group(a_sched, [32], caching=False)
+    req = Request("r", list(range(1, 11)), max_tokens=12)
+    a_sched.add(req)
+    while len(req.generated) < 5:
+        a.run_step()
+    kept = list(req.generated)
+    a_sched.requeue_all()
+    b_sched = make_sched(budget=32)
+    b = Group(b_sched, [32])
+    b_sched.adopt(req)
+    with pytest.raises(ValueError, match="already in use"):
+        b_sched.adopt(req)
+    b.run_step()
+    b.run_step()
+    first = next(c for p in b.plans for c in p.batch if c.request_id == "r")
+    assert first.start == 0 and first.token_ids == tuple(range(1, 11)) + tuple(kept)
+    assert first.sample and first.sample_index == len(kept)
+    b.run()
+    assert req.generated[: len(kept)] == kept and req.generated == reference(req)

@@ -121,6 +121,7 @@ class GroupRunner:
         addresses: list[str],
         metrics: Metrics,
         on_events: Callable[[list], None],
+        on_down: Callable[[str, list, str], None],
         stall_threshold: float = 5.0,
         dead_rank_timeout: float = 30.0,
     ) -> None:
@@ -129,6 +130,7 @@ class GroupRunner:
         self.scheduler: Scheduler | None = None
         self.metrics = metrics
         self.on_events = on_events
+        self.on_down = on_down
         self.stall_threshold = stall_threshold
         self.dead_rank_timeout = dead_rank_timeout
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -334,7 +336,10 @@ class GroupRunner:
         for fut in self.flush_done.values():
             if not fut.done():
                 fut.set_exception(GroupDown(reason))
-        self.on_events(self.scheduler.fail_all(reason))
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            scheduler.requeue_all()
+            self.on_down(self.name, list(scheduler.requests.values()), reason)
 
     def _poke_survivors(self, dead: list[int]) -> None:
         """Send the ranks still up one empty plan. Its agreement collective cannot complete without the

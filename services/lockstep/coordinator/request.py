@@ -133,6 +133,10 @@ class Request:
         self.finish_reason = reason
         self.error = error
 
+    def forget_keys(self) -> None:
+        """Drop the cached page keys: the request moves to a group whose salt may differ."""
+        self._keys = []
+
     def page_keys(self, num_pages: int, page_size: int, salt: bytes) -> tuple[bytes, ...]:
         """Keys of the first num_pages full pages; the chain is extended once and kept (tokens only grow)."""
         if num_pages * page_size > self.num_tokens:

@@ -117,6 +117,19 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def adopt(self, request: Request) -> None:
+        """Take over a request that another group was running when it went down: it is recomputed here
+        from its prompt and the tokens it had generated (which its client already has), first in line."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed:
+            raise ValueError(f"request {request.request_id} is not waiting for a recompute ({request!r})")
+        if self.max_model_len is not None and request.max_positions + 1 > self.max_model_len:
+            raise ValueError(f"request {request.request_id} does not fit this group's {self.max_model_len} positions")
+        request.forget_keys()
+        self.requests[request.request_id] = request
+        self.waiting.appendleft(request)
+
     def abort(self, request_id: str) -> list[Event]:
         """End a request now; if the ranks hold it, the next plan releases it. Unknown id: no events."""
         req = self.requests.get(request_id)

@@ -36,6 +36,7 @@ class _Live:
     """A request between the API and its group: the scheduler's record and the client's queue."""
 
     request: Request
+    group: str
     queue: asyncio.Queue
     arrived: float
     prompt_tokens: int
@@ -70,7 +71,7 @@ class Coordinator:
         up the others (and comes back by itself once its ranks are whole again)."""
         for name, addresses in self.group_addresses.items():
             runner = GroupRunner(name, addresses, self.metrics, lambda events, g=name: self._dispatch(g, events),
-                                 self.stall_threshold, self.dead_rank_timeout)
+                                 self._replay, self.stall_threshold, self.dead_rank_timeout)
             runner.start(lambda infos, g=name: self._make_scheduler(g, infos))
             self.groups[name] = runner
 
@@ -116,8 +117,30 @@ class Coordinator:
     async def reset_prefix_cache(self, rank: int | None) -> None:
         await asyncio.gather(*(g.flush(rank) for g in self.groups.values() if g.up))
 
+    def _replay(self, group: str, requests: list[Request], reason: str) -> None:
+        """A group went down: its requests go on in the least-loaded group that is up, recomputed from
+        what they had; with no group up they end now with the retriable error."""
+        for req in requests:
+            live = self.live.get(req.request_id)
+            if live is None:
+                continue
+            up = [g for g in self.groups.values() if g.up and g.name != group and g.scheduler is not None]
+            if not up:
+                live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=reason))
+                continue
+            target = min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
+            try:
+                target.scheduler.adopt(req)
+            except ValueError as exc:
+                live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=f"{reason}; {exc}"))
+                continue
+            live.group = target.name
+            target.kick()
+            log.warning("request %s moves from group %s to %s after %d token(s): %s", req.request_id, group,
+                        target.name, len(req.generated), reason)
+
     def _pick_group(self) -> GroupRunner:
-        up = [g for g in self.groups.values() if g.up]
+        up = [g for g in self.groups.values() if g.up and g.scheduler is not None]
         if not up:
             reasons = "; ".join(g.down_reason for g in self.groups.values()) or "no group is up"
             raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
@@ -132,7 +155,7 @@ class Coordinator:
             group.scheduler.add(request)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        self.live[request_id] = _Live(request, queue, time.monotonic(), len(spec.prompt_ids))
+        self.live[request_id] = _Live(request, group.name, queue, time.monotonic(), len(spec.prompt_ids))
         group.kick()
         finished = False
         try:
@@ -143,10 +166,11 @@ class Coordinator:
                     finished = True
                     return
         finally:
-            self.live.pop(request_id, None)
-            if not finished:
-                group.scheduler.abort(request_id)
-                group.kick()
+            live = self.live.pop(request_id, None)
+            runner = self.groups.get(live.group) if live is not None else None
+            if not finished and runner is not None and runner.scheduler is not None:
+                runner.scheduler.abort(request_id)
+                runner.kick()
 
     def _dispatch(self, group: str, events: list) -> None:
         now = time.monotonic()
