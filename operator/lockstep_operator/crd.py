@@ -23,46 +23,28 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 Schema = dict[str, Any]
 
 
-def _int(minimum: int | None = None, maximum: int | None = None, default: int | None = None,
-         description: str = "") -> Schema:
-    s: Schema = {"type": "integer"}
-    if minimum is not None:
-        s["minimum"] = minimum
-    if maximum is not None:
-        s["maximum"] = maximum
-    if default is not None:
-        s["default"] = default
+def _scalar(kind: str, description: str = "", **fields: Any) -> Schema:
+    """One scalar schema; fields given as None are left out (their names are already JSON Schema's)."""
+    s: Schema = {"type": kind, **{k: v for k, v in fields.items() if v is not None}}
     if description:
         s["description"] = description
     return s
+
+
+def _int(minimum: int | None = None, maximum: int | None = None, default: int | None = None,
+         description: str = "") -> Schema:
+    return _scalar("integer", description, minimum=minimum, maximum=maximum, default=default)
 
 
 def _num(minimum: float, maximum: float | None = None, default: float | None = None,
          exclusive_minimum: bool = False, description: str = "") -> Schema:
-    s: Schema = {"type": "number", "minimum": minimum}
-    if exclusive_minimum:
-        s["exclusiveMinimum"] = True
-    if maximum is not None:
-        s["maximum"] = maximum
-    if default is not None:
-        s["default"] = default
-    if description:
-        s["description"] = description
-    return s
+    return _scalar("number", description, minimum=minimum, exclusiveMinimum=exclusive_minimum or None,
+                   maximum=maximum, default=default)
 
 
 def _str(default: str | None = None, enum: list[str] | None = None, description: str = "",
          min_length: int | None = None) -> Schema:
-    s: Schema = {"type": "string"}
-    if enum is not None:
-        s["enum"] = enum
-    if default is not None:
-        s["default"] = default
-    if min_length is not None:
-        s["minLength"] = min_length
-    if description:
-        s["description"] = description
-    return s
+    return _scalar("string", description, enum=enum, default=default, minLength=min_length)
 
 
 def _obj(properties: dict[str, Schema], default: Any = None, description: str = "",
