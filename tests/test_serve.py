@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from cluster import http
 from lockstep.local_group import free_port
@@ -91,3 +92,29 @@ def http_ok(port: int) -> bool:
         return http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_builtin_model_served_says_paris(tmp_path):
+    """The main job as a user runs it: `lockstep serve` with no --model, then the README's chat request."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 900
+        while "Lockstep is serving" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+        assert "starting 3 rank(s)" in (tmp_path / "serve.log").read_text()
+        status, body = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                             "max_tokens": 24, "temperature": 0}, timeout=300)
+        assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
