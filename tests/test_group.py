@@ -210,6 +210,8 @@ def test_killed_rank_fails_requests_with_503_then_a_new_group_serves(tiny_llama,
         assert c.metric("lockstep_rank_up", rank="1") == [0.0] and c.metric("lockstep_rank_up", rank="0") == [1.0]
         status, body = c.complete({"prompt": "hi", "max_tokens": 2})
         assert status == 503
+        status, body = c.complete({"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert status == 503 and body["error"]["code"] == "group_unavailable"
         assert c.ranks[0].wait(timeout=30) == 3, "the surviving rank served on with a broken group"
         assert "exiting so that the group is recreated" in c.log(c.ranks[0])
         c.start_ranks()

@@ -211,6 +211,9 @@ class OpenAIServer:
         return await self._respond(request, body, spec, chat=True)
 
     async def _respond(self, request: web.Request, body: dict, spec: GenerateSpec, chat: bool) -> web.StreamResponse:
+        if not self.frontend.healthy():  # say so with a status, before a stream would have to carry it
+            raise ApiError(503, "no group of ranks is up; retry later", code="group_unavailable",
+                           err_type="service_unavailable")
         stream = _field(body, "stream", (bool,), False)
         token_ids = _field(body, "return_token_ids", (bool,), False)
         include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
