@@ -114,8 +114,9 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     clock = _TokenClock()
     with torch.inference_mode():
+        # No EOS: our engine does not stop at it either, and min_new_tokens would mask it out of the argmax.
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad_id,
+                             eos_token_id=None, pad_token_id=pad_id,
                              stopping_criteria=StoppingCriteriaList([clock]))
     if len(clock.times) != new_tokens:
         raise RuntimeError(f"transformers gave {len(clock.times)} token times for {new_tokens} new tokens")

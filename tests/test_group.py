@@ -26,7 +26,8 @@ def reference(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
 
     def greedy(tokens: list[int], n: int) -> list[int]:
-        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        # ignore_eos on our side; min_new_tokens would instead mask EOS out of transformers' argmax
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, eos_token_id=None, do_sample=False)
         return out[0, len(tokens):].tolist()
 
     return greedy
