@@ -259,3 +259,11 @@ def test_cache_off_gives_the_same_outputs_and_never_skips(tiny_llama, reference,
         c.assert_no_leak()
     finally:
         c.close()
+
+
+def test_seeded_sampling_is_reproducible(group, no_leak):
+    body = {"prompt": prompt(1000, 12), "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
+            "ignore_eos": True, "return_token_ids": True}
+    runs = [group.complete({**body, "seed": seed})[1]["choices"][0]["token_ids"] for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+    assert runs[0] != runs[2]
