@@ -112,6 +112,8 @@ def test_bad_input_is_a_4xx_and_service_stays_up(group, no_leak):
         (json.dumps({"prompt": [1, 2, 10**9]}).encode(), 400, "prompt"),
         (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
         (json.dumps({"messages": "hello"}).encode(), 400, "messages"),
+        (json.dumps({"prompt": "hi", "seed": 2**64}).encode(), 400, "seed"),
+        (json.dumps({"prompt": "hi", "top_k": 2**40}).encode(), 400, "top_k"),
     ]
     for raw, status, param in cases:
         path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
@@ -187,6 +189,8 @@ def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, 
         status, body = c.complete({"prompt": prompt(799, 30), "max_tokens": 200, "ignore_eos": True})
         assert status == 400 and body["error"]["code"] == "request_too_large", body
         assert "smallest rank pool holds 10" in body["error"]["message"]
+        status, body = c.complete({"prompt": prompt(798, 30), "ignore_eos": True})  # no max_tokens: what fits
+        assert status == 200 and body["usage"]["completion_tokens"] == 10 * 16 - 30, body
         assert "refused by the ranks" not in c.log(c.coordinator), "a rank was asked for more than it had"
         c.assert_no_leak()
     finally:
@@ -240,6 +244,15 @@ def test_grpc_inference_service(group, reference, no_leak):
         assert unary.usage.prompt_tokens == len(p) and unary.finish_reason in ("length", "stop")
         streamed = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
         assert streamed == list(unary.token_ids)
+        slow = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=p), max_tokens=300, request_id="mine")
+        stream = stub.Generate(slow, timeout=60)
+        next(stream)
+        try:
+            stub.Complete(ipb.GenerateRequest(text="hi", max_tokens=2, request_id="mine"), timeout=10)
+            raise AssertionError("a request id in use was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.ALREADY_EXISTS
+        stream.cancel()
         try:
             stub.Complete(ipb.GenerateRequest(text="hi", max_tokens=0), timeout=10)
             raise AssertionError("max_tokens=0 was accepted")

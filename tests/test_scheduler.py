@@ -737,3 +737,19 @@ def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
     assert first.sample and first.sample_index == len(kept)
     b.run()
     assert req.generated[: len(kept)] == kept and req.generated == reference(req)
+
+
+def test_a_refusal_that_repeats_preempts_instead_of_replanning_forever():
+    sched = make_sched(ranks=2, budget=16, caching=False)
+    g = Group(sched, [30, 30], caching=False)
+    a = Request("a", [1, 2, 3, 4, 5], max_tokens=6)
+    sched.add(a)
+    g.run_step()
+    g.run_step()
+    assert a.status is RequestStatus.RUNNING
+    g.run_step(refuse={0: "rank 0: keeps refusing", 1: "rank 1: keeps refusing"})
+    assert a.status is RequestStatus.RUNNING  # once: planned again as it was
+    events = g.run_step(refuse={0: "rank 0: keeps refusing", 1: "rank 1: keeps refusing"})
+    assert [e.kind for e in events] == [PREEMPTED] and a.status is RequestStatus.WAITING
+    g.run()
+    assert a.generated == reference(a)

@@ -61,6 +61,7 @@ class RankLink:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.call = None
         self.outbox: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
         self.info: rank_pb2.RankInfo | None = None
 
     async def responsive(self, timeout: float = 1.0) -> bool:
@@ -76,11 +77,12 @@ class RankLink:
         """A new Step stream (the rank ends any older one) whose reports go to `inbox`."""
         if self.call is not None:
             self.call.cancel()
+        for task in self.tasks:
+            task.cancel()
         self.call = self.stub.Step()
         self.outbox = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        loop.create_task(self._read(inbox))
-        loop.create_task(self._write(self.call, self.outbox, inbox))
+        self.tasks = [loop.create_task(self._read(inbox)), loop.create_task(self._write(self.call, self.outbox, inbox))]
 
     async def _read(self, inbox: asyncio.Queue) -> None:
         try:
@@ -142,6 +144,7 @@ class GroupRunner:
         self.flush_done: dict[int, asyncio.Future] = {}
         self.last_reports: list[Report] = []
         self.release_all = False
+        self.capacity_tokens = 0  # tokens the smallest pool of the group holds: the most one request can use
         self.ready = asyncio.Event()
         self.task: asyncio.Task | None = None
         metrics.init_group(name, len(addresses))
@@ -211,7 +214,9 @@ class GroupRunner:
         futs = []
         for r in ranks:
             self.flush_ranks.add(r)
-            fut = self.flush_done.get(r) or asyncio.get_running_loop().create_future()
+            fut = self.flush_done.get(r)
+            if fut is None or fut.done():
+                fut = asyncio.get_running_loop().create_future()
             self.flush_done[r] = fut
             futs.append(fut)
         self.kick()
@@ -244,6 +249,8 @@ class GroupRunner:
                         fut.set_result(None)
                 self.last_reports = reports
                 refused = [r for r in reports if r.error]
+                if plan.release_all and refused:
+                    self.release_all = True  # the ranks may still hold what another coordinator left
                 if refused:
                     log.error("group %s step %d refused by the ranks (a coordinator bug if admission allowed it): %s",
                               self.name, plan.step, "; ".join(f"rank {r.rank}: {r.error}" for r in refused))
@@ -336,6 +343,8 @@ class GroupRunner:
         for fut in self.flush_done.values():
             if not fut.done():
                 fut.set_exception(GroupDown(reason))
+        self.flush_done.clear()
+        self.flush_ranks.clear()
         scheduler, self.scheduler = self.scheduler, None
         if scheduler is not None:
             scheduler.requeue_all()

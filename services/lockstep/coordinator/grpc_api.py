@@ -9,7 +9,8 @@ import grpc
 from lockstep.coordinator.openai_api import ApiError, OpenAIServer, collect
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 
-_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.UNAVAILABLE}
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
+           503: grpc.StatusCode.UNAVAILABLE}
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):

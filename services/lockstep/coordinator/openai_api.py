@@ -57,6 +57,7 @@ class GenerateSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    max_tokens_given: bool = True
 
 
 class Frontend(Protocol):
@@ -66,7 +67,8 @@ class Frontend(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
 
-    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]: ...
+    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+        """Queue the request at once (raising ApiError if it cannot be) and return its events."""
     def healthy(self) -> bool: ...
     def health_detail(self) -> dict: ...
     def metrics_text(self) -> bytes: ...
@@ -98,9 +100,11 @@ def parse_sampling(body: dict) -> tuple[SamplingParams, int | None, list[str], b
     if not 0.0 < top_p <= 1.0:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = _field(body, "top_k", (int,), 0)
-    if top_k < -1:
-        raise ApiError(400, f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
+    if not -1 <= top_k < 1 << 31:
+        raise ApiError(400, f"'top_k' must be -1, 0 (off) or a positive number of tokens, got {top_k}", "top_k")
     seed = _field(body, "seed", (int,), None)
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise ApiError(400, f"'seed' must be a 64-bit signed integer, got {seed}", "seed")
     n = _field(body, "n", (int,), 1)
     if n != 1:
         raise ApiError(400, f"only n=1 is supported, got {n}", "n")
@@ -169,6 +173,7 @@ class OpenAIServer:
         if room < 1:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                                 f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
+        given = max_tokens is not None
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
@@ -176,7 +181,7 @@ class OpenAIServer:
                                 f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}", "max_tokens",
                            "context_length_exceeded")
         eos = [] if ignore_eos else sorted(self.frontend.tokenizer.eos_token_ids)
-        return GenerateSpec(prompt_ids, params, max_tokens, stop, eos, ignore_eos)
+        return GenerateSpec(prompt_ids, params, max_tokens, stop, eos, ignore_eos, given)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
@@ -211,9 +216,6 @@ class OpenAIServer:
         return await self._respond(request, body, spec, chat=True)
 
     async def _respond(self, request: web.Request, body: dict, spec: GenerateSpec, chat: bool) -> web.StreamResponse:
-        if not self.frontend.healthy():  # say so with a status, before a stream would have to carry it
-            raise ApiError(503, "no group of ranks is up; retry later", code="group_unavailable",
-                           err_type="service_unavailable")
         stream = _field(body, "stream", (bool,), False)
         token_ids = _field(body, "return_token_ids", (bool,), False)
         include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
@@ -279,12 +281,16 @@ class OpenAIServer:
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         return n_out, cached
 
-    async def texts(self, rid: str, spec: GenerateSpec) -> AsyncIterator[tuple[str, list[int], str | None, int]]:
-        """Text pieces with their token ids, holding back what could still become a stop string."""
+    def texts(self, rid: str, spec: GenerateSpec) -> AsyncIterator[tuple[str, list[int], str | None, int]]:
+        """Queue the request now; then text pieces with their token ids, holding back what could still
+        become a stop string."""
+        return self._texts(spec, self.frontend.generate(rid, spec))
+
+    async def _texts(self, spec: GenerateSpec, events: AsyncIterator[TokenEvent]
+                     ) -> AsyncIterator[tuple[str, list[int], str | None, int]]:
         decoder = IncrementalDecoder(self.frontend.tokenizer)
         hold = max((len(s) for s in spec.stop), default=1) - 1
         text, sent, ids = "", 0, []
-        events = self.frontend.generate(rid, spec)
         try:
             async for ev in events:
                 if ev.error and ev.status < 500:

@@ -41,6 +41,9 @@ def _token_ids(name: str, tokens: Iterable[int]) -> tuple[int, ...]:
     return out
 
 
+INT64 = 1 << 63  # the wire carries seeds and top_k as int64
+
+
 def _check_sampling(sampling: SamplingParams) -> None:
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -48,10 +51,10 @@ def _check_sampling(sampling: SamplingParams) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {sampling.temperature!r}")
     if not (0 < sampling.top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p!r}")
-    if type(sampling.top_k) is not int or sampling.top_k < 0:
+    if type(sampling.top_k) is not int or not 0 <= sampling.top_k < INT64:
         raise ValueError(f"top_k must be an int >= 0 (0: off), got {sampling.top_k!r}")
-    if sampling.seed is not None and type(sampling.seed) is not int:
-        raise ValueError(f"seed must be an int or None, got {sampling.seed!r}")
+    if sampling.seed is not None and (type(sampling.seed) is not int or not -INT64 <= sampling.seed < INT64):
+        raise ValueError(f"seed must be a 64-bit signed int or None, got {sampling.seed!r}")
 
 
 class Request:

@@ -98,6 +98,7 @@ class Scheduler:
         self._events: list[Event] = []
         self._last_plan: Plan | None = None
         self._applied: int | None = None
+        self._refused_in_a_row = 0
 
     # ----- requests in and out
 
@@ -407,6 +408,7 @@ class Scheduler:
 
     def _apply_failure(self, plan: Plan, reports: list[Report], failed: list[Report], events: list[Event]) -> None:
         self.stats.failed_steps += 1
+        self._refused_in_a_row += 1
         message = f"step {plan.step} refused: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
         self._releases.extend(plan.releases)
         admitted = {a.request_id for a in plan.admits}
@@ -414,14 +416,15 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 events.append(self._finish(req, "error", message))
-        if len(failed) == len(reports):
-            return
+        if len(failed) == len(reports) and self._refused_in_a_row < 2:
+            return  # nothing ran anywhere: plan the rest again as it was, once; twice means they disagree
         for chunk in plan.batch:
             req = self.requests.get(chunk.request_id)
             if req is not None and req.status is RequestStatus.RUNNING and chunk.request_id not in admitted:
                 events.append(self._preempt(req, self._releases))
 
     def _apply_success(self, plan: Plan, reports: list[Report], events: list[Event]) -> None:
+        self._refused_in_a_row = 0
         for report in reports:
             for answer in report.probes:
                 self._book.record(report.step, report.rank, answer)

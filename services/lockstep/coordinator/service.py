@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from lockstep.coordinator.group import GroupRunner
+from lockstep.coordinator.group import GroupDown, GroupRunner
 from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.openai_api import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.request import Request
@@ -91,6 +91,8 @@ class Coordinator:
             if info.model_id != infos[0].model_id:
                 raise ValueError(f"rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
         self._seen.pop(group, None)
+        totals = [n for i in infos for n in i.pool_totals.values()]
+        self.groups[group].capacity_tokens = min(totals) * self.limits.page_size if totals else 0
         return Scheduler(
             page_size=self.limits.page_size,
             salt=key_salt(infos[0].model_id, self.limits.page_size),
@@ -115,7 +117,11 @@ class Coordinator:
         return self.metrics.render()
 
     async def reset_prefix_cache(self, rank: int | None) -> None:
-        await asyncio.gather(*(g.flush(rank) for g in self.groups.values() if g.up))
+        try:
+            await asyncio.gather(*(g.flush(rank) for g in self.groups.values() if g.up))
+        except GroupDown as exc:
+            raise ApiError(503, f"the flush did not complete: {exc}", code="group_unavailable",
+                           err_type="service_unavailable") from exc
 
     def _replay(self, group: str, requests: list[Request], reason: str) -> None:
         """A group went down: its requests go on in the least-loaded group that is up, recomputed from
@@ -147,27 +153,38 @@ class Coordinator:
                            err_type="service_unavailable")
         return min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
 
-    async def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+        """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
+        return its events; closing the iterator early aborts it and frees its pages."""
+        if request_id in self.live:
+            raise ApiError(409, f"request id {request_id!r} is already running", "request_id",
+                           "request_id_in_use")
         group = self._pick_group()
-        queue: asyncio.Queue = asyncio.Queue()
+        max_tokens = spec.max_tokens
+        if not spec.max_tokens_given and group.capacity_tokens:  # "up to the context" means what fits
+            max_tokens = max(1, min(max_tokens, group.capacity_tokens - len(spec.prompt_ids)))
         try:
-            request = Request(request_id, spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_token_ids)
+            request = Request(request_id, spec.prompt_ids, spec.sampling, max_tokens, spec.stop_token_ids)
             group.scheduler.add(request)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        self.live[request_id] = _Live(request, group.name, queue, time.monotonic(), len(spec.prompt_ids))
+        self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids))
         group.kick()
+        return self._events(request_id)
+
+    async def _events(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        live = self.live[request_id]
         finished = False
         try:
             while True:
-                ev: TokenEvent = await queue.get()
+                ev: TokenEvent = await live.queue.get()
                 yield ev
                 if ev.finish_reason is not None or ev.error:
                     finished = True
                     return
         finally:
-            live = self.live.pop(request_id, None)
-            runner = self.groups.get(live.group) if live is not None else None
+            self.live.pop(request_id, None)
+            runner = self.groups.get(live.group)
             if not finished and runner is not None and runner.scheduler is not None:
                 runner.scheduler.abort(request_id)
                 runner.kick()

@@ -84,6 +84,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self._closed = False
         self._last_plan: Plan | None = None
         self._last_report: Report | None = None
+        self._in_flight: int | None = None
         self.executed = 0
 
     def attach(self, engine: StepEngine) -> None:
@@ -92,7 +93,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     @property
     def last_step(self) -> int:
-        """The last step carried out (refused by the engine or not), -1 before the first."""
+        """The last step carried out or being carried out now, -1 before the first: a coordinator that
+        (re)connects plans the step after it, never a step the rank is already running."""
+        if self._in_flight is not None:
+            return self._in_flight
         return -1 if self._last_plan is None else self._last_plan.step
 
     def close(self) -> None:
@@ -124,6 +128,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                 plan, f"out of order: expected step {last.step + 1} (or {last.step} again), got {plan.step}"
             )
         t0 = time.perf_counter()
+        self._in_flight = plan.step
         try:
             report = self._engine.step(plan)
             if report.step != plan.step or report.rank != self.rank:
@@ -138,6 +143,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                 self._on_fatal(str(e))
         report.timings[STEP_SECONDS] = time.perf_counter() - t0
         self._last_plan, self._last_report = plan, report
+        self._in_flight = None
         self.executed += 1
         return report
 
