@@ -148,12 +148,10 @@ def test_first_chunk_starts_after_the_agreed_prefix():
         c.consider(8, 2, [ProbeAnswer("r", 2, 0)])
 
 
-def test_give_back_undoes_a_take_and_overdraw_is_refused():
+def test_take_spends_headroom_and_overdraw_is_refused():
     c = control(rep(0, 10, 4), rep(1, 10, 4))
     c.take([3, 1], num_tokens=5)
     assert c.headroom == [1, 3] and c.tokens_left == 59
-    c.give_back([3, 1], num_tokens=5)
-    assert c.headroom == [4, 4] and c.tokens_left == 64
     with pytest.raises(ValueError, match="overdraws"):
         c.take([5, 0])
 

@@ -87,6 +87,7 @@ class Engine:
         self.model_id = model_id
         self.device = kv.k[0].device
         self.seqs: dict[str, _Sequence] = {}
+        self.last_plan: Plan | None = None
         self.last_report: Report | None = None
 
     @classmethod
@@ -137,7 +138,10 @@ class Engine:
     def step(self, plan: Plan) -> Report:
         """Carry out one plan. A repeated delivery of the last plan is answered, not executed again."""
         if self.last_report is not None and plan.step == self.last_report.step:
-            return self.last_report
+            if plan == self.last_plan:
+                return self.last_report
+            return Report(step=plan.step, rank=self.comm.rank, error=f"rank {self.comm.rank}: step {plan.step} "
+                          "was already carried out with a different plan")
         t0 = time.perf_counter()
         report = Report(step=plan.step, rank=self.comm.rank)
         releases = list(self.pool.owners()) if plan.release_all else plan.releases
@@ -170,7 +174,7 @@ class Engine:
         report.probes = [self._probe(p.request_id, p.keys) for p in plan.probes]
         report.pools = [self.pool.stats()]
         report.timings["step_s"] = time.perf_counter() - t0
-        self.last_report = report
+        self.last_plan, self.last_report = plan, report
         return report
 
     def _prepare(self, plan: Plan) -> str:

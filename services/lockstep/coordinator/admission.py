@@ -118,12 +118,6 @@ class AdmissionControl:
         self.tokens_left -= num_tokens
         self.seqs_left -= seqs
 
-    def give_back(self, pages: Sequence[int], num_tokens: int = 0, seqs: int = 0) -> None:
-        """Undo a `take` made earlier in this step (a request unscheduled to be preempted)."""
-        self.headroom = [h + p for h, p in zip(self.headroom, pages, strict=True)]
-        self.tokens_left += num_tokens
-        self.seqs_left += seqs
-
     def grow(self, num_computed: int, num_tokens: int) -> int:
         """Take the most of num_tokens a running request can compute now on every rank; how many (0: none).
 

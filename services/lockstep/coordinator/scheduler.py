@@ -255,8 +255,10 @@ class Scheduler:
     def _schedule_running(
         self, control: AdmissionControl, batch: dict[str, tuple[Chunk, list[int]]], releases: list[str]
     ) -> bool:
-        """Give every running request its next chunk while it fits; preempt the newest where one cannot
-        grow. Returns whether anything was preempted."""
+        """Give every running request its next chunk while it fits; where one cannot grow, preempt the
+        newest running requests until the pages they hold cover its shortfall. Their pages are free only
+        from the next report, so the request itself waits this step. Returns whether anything was
+        preempted."""
         preempted = False
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
@@ -268,15 +270,11 @@ class Scheduler:
             short = control.shortfall(req.num_computed, req.num_uncomputed)
             freed = 0
             while freed < short:
-                victim = self.running[-1]
-                undone = batch.pop(victim.request_id, None)
-                if undone is not None:
-                    chunk, pages = undone
-                    control.give_back(pages, len(chunk.token_ids))
+                victim = self.running[-1]  # newer than req, so not in this step's batch yet
                 freed += pages_for(victim.num_computed, self.page_size)
                 self._events.append(self._preempt(victim, releases))
                 preempted = True
-                if victim is req or self._grow(control, req, batch):
+                if victim is req:
                     break
         return preempted
 
