@@ -164,3 +164,17 @@ def test_tp2_unexpected_error_on_one_rank_still_reaches_the_agreement(tiny_llama
         assert [r.pools[0].used for r in reports] == [0, 0]
         again = group.step(Plan(step=1, admits=(Admit("k"),), batch=(Chunk("k", p, 0, sample=True),)))
         assert not again[0].error and again[0].sampled == again[1].sampled
+
+
+def test_a_failed_forward_is_reported_with_the_pools_and_the_engine_goes_on(tiny_llama, monkeypatch):
+    """At TP 1 a forward that raises (here: injected) is a refused step whose report still carries the
+    page counts the coordinator plans from; the same chunk then runs when planned again."""
+    eng = Engine.create(tiny_llama, page_size=PS, kv_pages=16)
+    p = tuple(prompt(11, 20))
+    real = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    report = eng.step(Plan(step=0, admits=(Admit("m"),), batch=(Chunk("m", p, 0, sample=True),)))
+    assert "RuntimeError in the forward: injected" in report.error and report.pools[0].total == 16
+    monkeypatch.setattr(eng.model, "forward", real)
+    again = eng.step(Plan(step=1, batch=(Chunk("m", p, 0, sample=True),)))
+    assert not again.error and len(again.sampled) == 1

@@ -167,7 +167,8 @@ class Engine:
                 if self.comm.world_size > 1:
                     raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed inside the forward, where "
                                       f"its peers may be waiting in a collective: {exc}") from exc
-                raise
+                log.exception("rank 0: the forward of step %d failed", plan.step)
+                report.error = f"rank 0: {type(exc).__name__} in the forward: {exc}"
             report.timings["forward_s"] = time.perf_counter() - t1
         if plan.flush_prefix_cache:
             self.pool.flush()
