@@ -105,3 +105,28 @@ def test_requests_of_a_dead_group_are_replayed_on_another(tiny_llama, tmp_path):
         assert body["choices"][0]["token_ids"] == undisturbed
     finally:
         c.close()
+
+
+def test_a_single_group_keeps_its_requests_until_it_is_whole_again(tiny_llama, tmp_path):
+    """With --replay-timeout, a request whose only group dies waits for the group to be recreated and
+    then finishes with every token, the same as an undisturbed run."""
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path,
+                coordinator_args=["--dead-rank-timeout", "5", "--replay-timeout", "60"])
+    try:
+        p = prompt(60, 20)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, c, p, 300)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not sum(c.metric("lockstep_generation_tokens_total")):
+                time.sleep(0.05)
+            c.ranks[0].kill()
+            c.ranks[0].wait()
+            time.sleep(1.0)
+            assert not fut.done()
+            c.start_ranks(0)
+            body = fut.result(timeout=90)
+        assert len(body["choices"][0]["token_ids"]) == 300
+        assert body["choices"][0]["token_ids"] == complete(c, p, 300)["choices"][0]["token_ids"]
+        c.assert_no_leak()
+    finally:
+        c.close()

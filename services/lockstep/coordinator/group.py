@@ -126,8 +126,10 @@ class GroupRunner:
         on_down: Callable[[str, list, str], None],
         stall_threshold: float = 5.0,
         dead_rank_timeout: float = 30.0,
+        on_up: Callable[[str], None] | None = None,
     ) -> None:
         self.name = name
+        self.on_up = on_up
         self.links = [RankLink(r, a) for r, a in enumerate(addresses)]
         self.scheduler: Scheduler | None = None
         self.metrics = metrics
@@ -174,6 +176,8 @@ class GroupRunner:
                 self.metrics.rank_up.labels(self.name, str(link.rank)).set(1)
             log.info("group %s: %d rank(s) up, serving from step %d", self.name, len(self.links), self.step)
             self.ready.set()
+            if self.on_up is not None:
+                self.on_up(self.name)
             await self._loop()
             self.ready.clear()
 

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stall-threshold", type=float, default=float(_env("LOCKSTEP_STALL_THRESHOLD_SECONDS", "5")))
     p.add_argument("--dead-rank-timeout", type=float,
                    default=float(_env("LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS", "30")))
+    p.add_argument("--replay-timeout", type=float, default=float(_env("LOCKSTEP_REPLAY_TIMEOUT_SECONDS", "0")),
+                   help="how long the requests of a group that went down wait for a group to serve them "
+                        "(0: fail them at once with 503 when no other group is up)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=_env("LOCKSTEP_PREFIX_CACHING", "1") == "0")
     args = p.parse_args(argv)
@@ -87,7 +90,7 @@ async def run(
     config = json.loads((model_dir / "config.json").read_text())
     coord = Coordinator(args.groups, tokenizer, model_name(model_dir, args.served_model_name), limits,
                         int(config.get("max_position_embeddings", 2048)), args.stall_threshold,
-                        args.dead_rank_timeout)
+                        args.dead_rank_timeout, args.replay_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -53,7 +53,10 @@ class Coordinator:
         max_model_len: int,
         stall_threshold: float = 5.0,
         dead_rank_timeout: float = 30.0,
+        replay_timeout: float = 0.0,
     ) -> None:
+        self.replay_timeout = replay_timeout
+        self._parked: dict[str, tuple[Request, str]] = {}
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
@@ -71,7 +74,8 @@ class Coordinator:
         up the others (and comes back by itself once its ranks are whole again)."""
         for name, addresses in self.group_addresses.items():
             runner = GroupRunner(name, addresses, self.metrics, lambda events, g=name: self._dispatch(g, events),
-                                 self._replay, self.stall_threshold, self.dead_rank_timeout)
+                                 self._replay, self.stall_threshold, self.dead_rank_timeout,
+                                 on_up=self._group_up)
             runner.start(lambda infos, g=name: self._make_scheduler(g, infos))
             self.groups[name] = runner
 
@@ -125,25 +129,56 @@ class Coordinator:
 
     def _replay(self, group: str, requests: list[Request], reason: str) -> None:
         """A group went down: its requests go on in the least-loaded group that is up, recomputed from
-        what they had; with no group up they end now with the retriable error."""
+        what they had. With no group up they wait up to `replay_timeout` for one to come back (the
+        operator recreates a broken group), and past it, or with no wait allowed, end with the
+        retriable error."""
         for req in requests:
-            live = self.live.get(req.request_id)
-            if live is None:
+            if req.request_id not in self.live:
                 continue
-            up = [g for g in self.groups.values() if g.up and g.name != group and g.scheduler is not None]
-            if not up:
-                live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=reason))
+            if self._move(req, exclude=group):
                 continue
-            target = min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
-            try:
-                target.scheduler.adopt(req)
-            except ValueError as exc:
-                live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=f"{reason}; {exc}"))
-                continue
-            live.group = target.name
-            target.kick()
-            log.warning("request %s moves from group %s to %s after %d token(s): %s", req.request_id, group,
-                        target.name, len(req.generated), reason)
+            if self.replay_timeout > 0:
+                self._parked[req.request_id] = (req, reason)
+                asyncio.get_running_loop().call_later(self.replay_timeout, self._expire, req.request_id)
+            else:
+                self._fail(req, reason)
+
+    def _move(self, req: Request, exclude: str = "") -> bool:
+        """Hand the request to the least-loaded group that is up; False when there is none."""
+        live = self.live[req.request_id]
+        up = [g for g in self.groups.values() if g.up and g.name != exclude and g.scheduler is not None]
+        if not up:
+            return False
+        target = min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
+        try:
+            target.scheduler.adopt(req)
+        except ValueError as exc:
+            self._fail(req, str(exc))
+            return True
+        log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
+                    target.name, len(req.generated))
+        live.group = target.name
+        target.kick()
+        return True
+
+    def _fail(self, req: Request, reason: str) -> None:
+        live = self.live.get(req.request_id)
+        if live is not None:
+            live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=reason))
+
+    def _group_up(self, group: str) -> None:
+        """A group (re)formed: the requests waiting for one go on there."""
+        for rid, (req, _) in list(self._parked.items()):
+            if rid not in self.live:
+                del self._parked[rid]
+            elif self._move(req):
+                del self._parked[rid]
+
+    def _expire(self, request_id: str) -> None:
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            req, reason = parked
+            self._fail(req, f"{reason}; no group came back within {self.replay_timeout:.0f} s")
 
     def _pick_group(self) -> GroupRunner:
         up = [g for g in self.groups.values() if g.up and g.scheduler is not None]
