@@ -155,6 +155,7 @@ def test_kv_and_agreement_settings_reach_the_commands() -> None:
     coord_env = env_of(by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]["containers"][0])
     assert coord_env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "2"
     assert coord_env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "12"
+    assert coord_env["LOCKSTEP_REPLAY_TIMEOUT_SECONDS"] == "0"
     assert coord_env["LOCKSTEP_PREFIX_CACHING"] == "0"
 
 

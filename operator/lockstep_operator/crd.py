@@ -131,6 +131,9 @@ def spec_schema() -> Schema:
                                                   description="A longer agreement wait is stalled."),
                     "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
                                                    description="A rank silent this long is dead."),
+                    "replayTimeoutSeconds": _num(0, None, 0, description=(
+                        "How long the requests of a group that went down wait for a group to take them when "
+                        "no other is up (0: they fail at once with a retriable 503).")),
                 },
                 default={},
             ),

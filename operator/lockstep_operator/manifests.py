@@ -226,6 +226,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "LOCKSTEP_MAX_NUM_SEQS": str(spec["scheduler"]["maxNumSeqs"]),
         "LOCKSTEP_STALL_THRESHOLD_SECONDS": str(spec["agreement"]["stallThresholdSeconds"]),
         "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS": str(spec["agreement"]["deadRankTimeoutSeconds"]),
+        "LOCKSTEP_REPLAY_TIMEOUT_SECONDS": str(spec["agreement"]["replayTimeoutSeconds"]),
     }
     if spec["model"].get("servedModelName"):
         pairs["LOCKSTEP_SERVED_MODEL_NAME"] = spec["model"]["servedModelName"]
