@@ -528,25 +528,26 @@ def test_bad_protocol_use_gets_specific_errors():
         Scheduler(4, SALT, 16, 0, 1)
 
 
-def test_fail_all_ends_every_request_and_accepts_a_fresh_start():
+def test_requeue_all_keeps_every_request_for_a_fresh_group():
+    """The group goes down with a plan in flight: every request waits, with its tokens, and a fresh
+    group (new ranks, no reports yet) finishes all of them with the tokens of an undisturbed run."""
     sched = make_sched(ranks=2, caching=False)
     g = Group(sched, [30, 30], caching=False)
-    reqs = [Request(f"q{i}", [1, 2, 3], max_tokens=50) for i in range(3)]
+    reqs = [Request(f"q{i}", [1, 2, 3], max_tokens=20) for i in range(3)]
     for r in reqs:
         sched.add(r)
-    g.run_step()
-    g.run_step()
+    for _ in range(4):
+        g.run_step()
     sched.plan(g.step, g.reports)  # in flight when the group goes down
-    events = sched.fail_all("rank 1 is dead")
-    assert {e.request_id for e in events} == {"q0", "q1", "q2"}
-    assert all(e.finish_reason == "error" and e.error == "rank 1 is dead" for e in events)
-    assert not sched.requests and sched.num_running == 0 and sched.num_waiting == 0
+    events = sched.requeue_all()
+    assert {e.request_id for e in events} == {r.request_id for r in reqs if r.generated}
+    assert sched.num_running == 0 and sched.num_waiting == 3 and all(r.num_computed == 0 for r in reqs)
+    assert sched.stats.preemptions == 0  # not counted: nothing was short of pages
     fresh = Group(sched, [30, 30], caching=False)
     fresh.step = g.step + 1
-    fresh.next_start.clear()
     sched.add(Request("after", [5, 6], max_tokens=2))
     fresh.run()
-    assert sched.stats.failed_steps == 0
+    assert all(r.generated == reference(r) for r in reqs)
 
 
 # ----- the randomized multi-rank run

@@ -300,7 +300,6 @@ class GroupRunner:
 
     async def _gather(self, step: int) -> list[Report]:
         wait = AgreementWait(step, list(range(len(self.links))), time.monotonic())
-        got: dict[int, Report] = {}
         stalled = False
         t0 = time.perf_counter()
         try:
@@ -325,15 +324,14 @@ class GroupRunner:
                     continue
                 if isinstance(item, str):
                     raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
-                if wait.record(item):
-                    got[rank] = item
+                wait.record(item)  # a duplicate or a stale step's report is ignored, never waited for again
         finally:
             if stalled:
                 self.metrics.agreements_stalled.labels(self.name).dec()
                 log.warning("group %s step %d: every rank answered after %.1f s", self.name, step,
                             time.monotonic() - wait.started_at)
         self.metrics.agreement_wait.labels(self.name, "step").observe(time.perf_counter() - t0)
-        return [got[r] for r in range(len(self.links))]
+        return wait.reports()
 
     def _go_down(self, reason: str, ranks: list[int] | None = None) -> None:
         """Stop the group: the dead ranks read 0 in `lockstep_rank_up` (all of them when unknown)."""

@@ -138,23 +138,11 @@ class Scheduler:
             return []
         return [self._finish(req, "abort")]
 
-    def fail_all(self, reason: str) -> list[Event]:
-        """The group went down: end every request with an error and forget the in-flight plan.
-
-        Releases still due stay queued (a rank that comes back drops them; a fresh one ignores them).
-        """
-        events = [self._finish(req, "error", reason) for req in list(self.requests.values())]
-        self._events.clear()
-        self._last_plan = None
-        self._applied = None
-        self._book = ProbeBook()
-        return events
-
     def requeue_all(self) -> list[Event]:
         """The group went down but keeps its requests: every running one goes back to the front of the
         queue, to be recomputed (generated tokens kept) once the group is whole again.
 
-        Like fail_all, it forgets the in-flight plan; the next plan may start from no reports.
+        It forgets the in-flight plan; the next plan may start from no reports.
         """
         events = [self._preempt(req, self._releases, counted=False) for req in reversed(self.running)]
         self._events.clear()
