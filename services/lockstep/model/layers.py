@@ -35,6 +35,14 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
+def rank_slice(size: int, comm: Comm, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's equal share of a dimension that is split over the ranks."""
+    if size % comm.world_size:
+        raise ValueError(f"{what} {size} does not split over {comm.world_size} ranks")
+    length = size // comm.world_size
+    return comm.rank * length, length
+
+
 @dataclass(frozen=True)
 class Part:
     """Rows [start, start + length) of a checkpoint tensor of `total` rows, at `offset` in the shard."""
@@ -76,12 +84,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm) -> None:
         super().__init__()
-        if in_features % comm.world_size:
-            raise ValueError(f"input width {in_features} does not split over {comm.world_size} ranks")
         self.comm = comm
         self.in_total = in_features
-        self.in_local = in_features // comm.world_size
-        self.in_start = comm.rank * self.in_local
+        self.in_start, self.in_local = rank_slice(in_features, comm, "input width")
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -96,12 +101,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, comm: Comm) -> None:
         super().__init__()
-        if vocab_size % comm.world_size:
-            raise ValueError(f"vocabulary {vocab_size} does not split over {comm.world_size} ranks")
         self.comm = comm
         self.vocab_size = vocab_size
-        self.vocab_local = vocab_size // comm.world_size
-        self.vocab_start = comm.rank * self.vocab_local
+        self.vocab_start, self.vocab_local = rank_slice(vocab_size, comm, "vocabulary")
         self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -124,12 +126,9 @@ class ParallelLMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, comm: Comm,
                  tied: VocabParallelEmbedding | None = None) -> None:
         super().__init__()
-        if vocab_size % comm.world_size:
-            raise ValueError(f"vocabulary {vocab_size} does not split over {comm.world_size} ranks")
         self.comm = comm
         self.vocab_size = vocab_size
-        self.vocab_local = vocab_size // comm.world_size
-        self.vocab_start = comm.rank * self.vocab_local
+        self.vocab_start, self.vocab_local = rank_slice(vocab_size, comm, "vocabulary")
         self.tied = tied is not None
         if tied is not None:
             self.weight = tied.weight
