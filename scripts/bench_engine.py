@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from lockstep.engine import Engine
+from lockstep.engine_config import EngineConfig
 from lockstep.model.builtin import resolve_model
 from lockstep.steps import Admit, Chunk, Plan
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(resolve_model(args.model))
     max_len = args.max_prompt + args.new_tokens
     pages = max(args.batch) * -(-max_len // PAGE_SIZE) + 1
-    engine = Engine.create(model_dir, page_size=PAGE_SIZE, kv_pages=pages)
+    engine = Engine.create(EngineConfig(str(model_dir), page_size=PAGE_SIZE, kv_pages=pages))
     ours = EngineRunner(engine)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = hf.generation_config.pad_token_id

@@ -21,7 +21,7 @@ PS = 4
 
 def rep(rank: int, total: int, free: int, evictable: int = 0, step: int = 0) -> Report:
     pool = PoolState("default", total, free, evictable, total - free - evictable)
-    return Report(step=step, rank=rank, pools=[pool])
+    return Report(step=step, rank=rank, pools=(pool,))
 
 
 def control(*reports: Report, seqs: int = 8, tokens: int = 64, running: int = 0) -> AdmissionControl:
@@ -37,7 +37,7 @@ def test_page_arithmetic():
 
 
 def test_allocatable_is_free_plus_evictable_of_the_tightest_pool():
-    r = Report(step=0, rank=0, pools=[PoolState("full", 20, 3, 5, 12), PoolState("swa", 10, 1, 2, 7)])
+    r = Report(step=0, rank=0, pools=(PoolState("full", 20, 3, 5, 12), PoolState("swa", 10, 1, 2, 7)))
     assert allocatable_pages(r) == 3
     with pytest.raises(ValueError, match="rank 0 for step 0 has no pool states"):
         allocatable_pages(Report(step=0, rank=0))

@@ -23,7 +23,8 @@ PINNED = {
     "lockstep_requests", "lockstep_time_to_first_token_seconds", "lockstep_inter_token_latency_seconds",
     "lockstep_request_duration_seconds", "lockstep_prompt_tokens_total", "lockstep_generation_tokens_total",
     "lockstep_prefix_cache_hit_tokens_total", "lockstep_step_duration_seconds", "lockstep_rank_up",
-    "lockstep_rebalances_total",
+    "lockstep_rebalances_total", "lockstep_requests_migrated_total", "lockstep_requests_dropped_total",
+    "lockstep_routing_decisions_total",
 }
 HISTOGRAMS = {"lockstep_agreement_wait_seconds", "lockstep_time_to_first_token_seconds",
               "lockstep_inter_token_latency_seconds", "lockstep_request_duration_seconds",

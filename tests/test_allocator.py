@@ -6,6 +6,7 @@ import pytest
 
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
 from lockstep.kv.page_keys import key_salt, page_keys
+from lockstep.kv.paging import pages_for
 from lockstep.kv.prefix_index import PrefixIndex
 from lockstep.steps import PoolState
 
@@ -20,7 +21,7 @@ def keys_of(tokens: list[int]) -> list[bytes]:
 def cached(pool: PagePool, owner: str, tokens: list[int]) -> list[int]:
     """Run one request to completion: allocate its pages, commit every full one, release it."""
     keys = keys_of(tokens)
-    pages = pool.allocate(owner, -(-len(tokens) // PS))
+    pages = pool.allocate(owner, pages_for(len(tokens), PS))
     for page, key in zip(pages, keys, strict=False):
         assert pool.commit(owner, page, key)
     pool.release(owner)

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from lockstep.bench import main, make_workload, percentile
+from lockstep.bench.command import main
+from lockstep.bench.report import percentile
+from lockstep.bench.workload import make_workload
 
 REQUESTS, TOKENS = 6, 32
 

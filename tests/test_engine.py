@@ -7,6 +7,7 @@ import torch
 
 from checkpoints import random_prompt as prompt
 from lockstep.engine import Engine
+from lockstep.engine_config import EngineConfig
 from lockstep.kv.page_keys import key_salt, page_keys
 from lockstep.local_group import LocalGroup
 from lockstep.steps import Admit, Chunk, Plan, Probe
@@ -56,25 +57,25 @@ class Driver:
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     torch.set_num_threads(2)
-    return Engine.create(tiny_llama, page_size=PS, kv_pages=64)
+    return Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=64))
 
 
 def test_greedy_matches_transformers(engine, tiny_llama):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    d = Driver(engine.step, engine.salt)
+    d = Driver(engine.step, engine.cache.salt)
     p = prompt(1, 37)
     ours = d.generate("a", p, 12)[0]
     d.send({"releases": ("a",)})
     theirs = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
     assert ours == theirs
-    stats = engine.pool.stats()
+    stats = engine.cache.pool.stats()
     assert stats.used == 0 and stats.free + stats.evictable == stats.total
 
 
 def test_cached_prefix_gives_same_tokens_and_skips_pages(engine, tiny_llama):
-    d = Driver(engine.step, engine.salt)
+    d = Driver(engine.step, engine.cache.salt)
     first = prompt(2, 40)
     d.generate("warm", first, 2)
     d.send({"releases": ("warm",)})
@@ -83,42 +84,55 @@ def test_cached_prefix_gives_same_tokens_and_skips_pages(engine, tiny_llama):
     assert answer.matched_pages == 2 and answer.pinned_pages == 0
     cached = d.generate("b", second, 8, cached_pages=2)[0]
     d.send({"releases": ("b",)})
-    cold = Engine.create(tiny_llama, page_size=PS, kv_pages=64, prefix_caching=False)
-    uncached = Driver(cold.step, cold.salt).generate("b", second, 8)[0]
+    cold = Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=64, prefix_caching=False))
+    uncached = Driver(cold.step, cold.cache.salt).generate("b", second, 8)[0]
     assert cached == uncached
 
 
 def test_pin_beyond_match_is_refused_and_engine_survives(engine):
-    d = Driver(engine.step, engine.salt)
+    d = Driver(engine.step, engine.cache.salt)
     p = prompt(4, 33)
     d.generate("c", p, 1)
     d.send({"releases": ("c",)})
     (answer,) = d.probe("d", p)
     assert answer.matched_pages == 2
-    before = engine.pool.stats()
+    before = engine.cache.pool.stats()
     keys = d.keys(p + prompt(5, 16))
     (report,) = d.send({"admits": (Admit("d", keys[:3]),), "batch": (Chunk("d", tuple(p[48:] or [1]), 48),)})
     assert "asked to pin 3 prefix pages but the index holds only the first 2" in report.error
-    assert engine.pool.stats().used == before.used == 0
+    assert engine.cache.pool.stats().used == before.used == 0
     assert d.generate("d", p, 2, cached_pages=2)[0]
     d.send({"releases": ("d",)})
 
 
-def test_duplicate_plan_is_answered_not_executed(engine):
-    p = prompt(6, 20)
-    plan = Plan(step=10_000, admits=(Admit("e"),), batch=(Chunk("e", tuple(p), 0, sample=True),))
-    first = engine.step(plan)
-    used = engine.pool.stats().used
-    again = engine.step(plan)
-    assert again is first and engine.pool.stats().used == used == 2
-    engine.step(Plan(step=10_001, releases=("e",)))
-    assert engine.pool.stats().used == 0
+def test_admitting_a_request_this_rank_holds_is_refused_and_leaves_it_running(engine):
+    """Bug fix: a refused step released every request its plan admitted, even one the rank already held
+    (admitted twice), so the rank dropped a running request's pages; now only what the step pinned goes back."""
+    d = Driver(engine.step, engine.cache.salt)
+    p = prompt(12, 20)
+    d.send({"admits": (Admit("n"),), "batch": (Chunk("n", tuple(p), 0),)})
+    used = engine.cache.pool.stats().used
+    (report,) = d.send({"admits": (Admit("n"),)})
+    assert "request n is admitted twice" in report.error
+    assert report.pools[0].used == used == 2
+    (report,) = d.send({"batch": (Chunk("n", (5,), 20, sample=True),)})
+    assert not report.error and len(report.sampled) == 1
+    d.send({"releases": ("n",)})
+    assert engine.cache.pool.stats().used == 0
+
+
+def test_info_names_the_one_pool_full(engine):
+    """Bug fix: the pool was named "default"; DESIGN.md names pools after the attention kind whose KV they
+    hold, and a model with one kind has the one pool `full` (the `pool` label of lockstep_rank_pages)."""
+    info = engine.info()
+    assert info.pool_totals == {"full": 64} and info.page_size == PS and info.last_step == -1
+    assert [p.pool for p in engine.step(Plan(step=0)).pools] == ["full"]
 
 
 def test_tp2_refusal_on_one_rank_is_taken_by_the_group(tiny_llama):
     """Rank 1 has a smaller pool: a step it cannot take is refused by both ranks, and nothing hangs."""
     with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=[64, 3]) as group:
-        salt = key_salt(group.infos[0]["model_id"], PS)
+        salt = key_salt(group.infos[0].model_id, PS)
         d = Driver(group.step, salt)
         big = prompt(7, 70)
         reports = d.send({"admits": (Admit("f"),), "batch": (Chunk("f", tuple(big), 0, sample=True),)})
@@ -133,7 +147,7 @@ def test_tp2_refusal_on_one_rank_is_taken_by_the_group(tiny_llama):
 
 def test_tp2_flushed_rank_answers_its_own_match(tiny_llama):
     with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
-        salt = key_salt(group.infos[0]["model_id"], PS)
+        salt = key_salt(group.infos[0].model_id, PS)
         d = Driver(group.step, salt)
         p = prompt(9, 40)
         d.generate("h", p, 1)
@@ -153,7 +167,8 @@ def test_tp2_flushed_rank_answers_its_own_match(tiny_llama):
 
 def test_tp2_unexpected_error_on_one_rank_still_reaches_the_agreement(tiny_llama):
     """A bug while preparing a step on one rank (here a request id that cannot be hashed) must not leave
-    the other rank alone in the agreement collective: both refuse the step, and the group goes on."""
+    the other rank alone in the agreement collective: both refuse the step, and the group goes on. A plan
+    delivered again is answered by LocalGroup's StepGate from the last reports, never run twice."""
     with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64, timeout_s=60) as group:
         p = tuple(prompt(10, 20))
         good = Plan(step=0, admits=(Admit("j"),), batch=(Chunk("j", p, 0, sample=True),))
@@ -162,14 +177,20 @@ def test_tp2_unexpected_error_on_one_rank_still_reaches_the_agreement(tiny_llama
         assert "TypeError while preparing the step" in reports[1].error
         assert reports[0].error == "another rank of the group refused this step"
         assert [r.pools[0].used for r in reports] == [0, 0]
-        again = group.step(Plan(step=1, admits=(Admit("k"),), batch=(Chunk("k", p, 0, sample=True),)))
+        plan = Plan(step=1, admits=(Admit("k"),), batch=(Chunk("k", p, 0, sample=True),))
+        again = group.step(plan)
         assert not again[0].error and again[0].sampled == again[1].sampled
+        # Delivered twice: answered from the last reports, never run again (no second pin, no collective).
+        assert group.step(plan) == again and [r.pools[0].used for r in again] == [2, 2]
+        assert "already carried out with a different plan" in group.step(Plan(step=1))[0].error
+        done = group.step(Plan(step=2, releases=("k",)))
+        assert [r.pools[0].used for r in done] == [0, 0]
 
 
 def test_a_failed_forward_is_reported_with_the_pools_and_the_engine_goes_on(tiny_llama, monkeypatch):
     """At TP 1 a forward that raises (here: injected) is a refused step whose report still carries the
     page counts the coordinator plans from; the same chunk then runs when planned again."""
-    eng = Engine.create(tiny_llama, page_size=PS, kv_pages=16)
+    eng = Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=16))
     p = tuple(prompt(11, 20))
     real = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))

@@ -145,6 +145,19 @@ def test_chat_and_streaming(group, no_leak):
     assert ids == streamed
 
 
+def test_admin_steps_is_the_group_step_log(group, no_leak):
+    status, before = http("GET", group.url + "/admin/steps?group=g0")
+    assert status == 200 and before["group"] == "g0" and before["next"] == len(before["steps"])
+    tokens_of(group, prompt(450, 10), 3)
+    status, after = http("GET", group.url + f"/admin/steps?since={before['next']}")
+    assert status == 200 and after["group"] == "g0" and after["next"] >= before["next"] + 3
+    assert len(after["steps"]) == after["next"] - before["next"]
+    assert all(len(s) == 6 and s[0] >= 0 and min(s[1:]) >= 0 for s in after["steps"])
+    assert any(s[0] >= 1 for s in after["steps"])  # the request's steps had it in their batch
+    status, body = http("GET", group.url + "/admin/steps?group=nope")
+    assert status == 404 and body["error"]["param"] == "group"
+
+
 def test_client_disconnect_aborts_and_frees_pages(group, no_leak):
     before = sum(group.metric("lockstep_generation_tokens_total"))
     body = json.dumps({"prompt": prompt(500, 20), "max_tokens": 480, "stream": True, "ignore_eos": True}).encode()
@@ -213,6 +226,7 @@ def test_killed_rank_fails_requests_with_503_then_a_new_group_serves(tiny_llama,
         status, _ = http("GET", c.url + "/health")
         assert status == 503
         assert c.metric("lockstep_rank_up", rank="1") == [0.0] and c.metric("lockstep_rank_up", rank="0") == [1.0]
+        assert c.metric("lockstep_requests_dropped_total") == [1.0]  # the default --replay-timeout 0 drops it
         status, body = c.complete({"prompt": "hi", "max_tokens": 2})
         assert status == 503
         status, body = c.complete({"prompt": "hi", "max_tokens": 2, "stream": True})

@@ -101,6 +101,9 @@ def test_requests_of_a_dead_group_are_replayed_on_another(tiny_llama, tmp_path):
             body = fut.result(timeout=60)
         assert len(body["choices"][0]["token_ids"]) == 300
         assert f"moves from group g{victim} to g{1 - victim}" in c.log(c.coordinator)
+        assert c.metric("lockstep_requests_migrated_total", group=f"g{victim}") == [1.0]
+        assert c.metric("lockstep_routing_decisions_total", group=f"g{1 - victim}", reason="replay") == [1.0]
+        assert sum(c.metric("lockstep_requests_dropped_total")) == 0
         undisturbed = complete(c, p, 300)["choices"][0]["token_ids"]
         assert body["choices"][0]["token_ids"] == undisturbed
     finally:
@@ -127,6 +130,8 @@ def test_a_single_group_keeps_its_requests_until_it_is_whole_again(tiny_llama, t
             body = fut.result(timeout=90)
         assert len(body["choices"][0]["token_ids"]) == 300
         assert body["choices"][0]["token_ids"] == complete(c, p, 300)["choices"][0]["token_ids"]
+        assert sum(c.metric("lockstep_requests_dropped_total")) == 0
+        assert c.metric("lockstep_routing_decisions_total", group="g0", reason="least_loaded") == [2.0]
         c.assert_no_leak()
     finally:
         c.close()

@@ -17,6 +17,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
 from lockstep.kv.page_keys import key_salt, page_keys
+from lockstep.kv.paging import pages_for
 
 PS = 2
 NUM_PAGES = 6
@@ -41,7 +42,7 @@ class Live:
 
     @property
     def pages_needed(self) -> int:
-        return -(-len(self.tokens) // PS)
+        return pages_for(len(self.tokens), PS)
 
 
 def contents(tokens: tuple[int, ...], position: int) -> tuple[tuple[int, ...], int]:

@@ -143,7 +143,7 @@ def test_mixed_batch_equals_each_sequence_alone(kind, models):
     # b holds 13 tokens and decodes its 14th; c holds 6 and runs a 6-token chunk; a is a fresh prompt.
     model(b[:13], AttentionBatch.build([(0, 13, tables["b"])], PS), kv)
     model(c[:6], AttentionBatch.build([(0, 6, tables["c"])], PS), kv)
-    alone_kv = KVCache([k.clone() for k in kv.k], [v.clone() for v in kv.v], kv.num_pages, PS)
+    alone_kv = KVCache([k.clone() for k in kv.k], [v.clone() for v in kv.v], PS)
     spans = [(0, 11, tables["a"]), (13, 1, tables["b"]), (6, 6, tables["c"])]
     ids = torch.cat([a, b[13:], c[6:]])
     mixed = model(ids, AttentionBatch.build(spans, PS), kv)

@@ -1,7 +1,7 @@
 """The rank service over real gRPC: order, one execution per plan, errors as reports, health, reconnect.
 
-The engine here is a small one over a real `PagePool` (no model), so every report carries real page
-accounting across the wire and a plan executed twice or out of order shows up in the counts.
+The engine here is the real page bookkeeping (`RankCache`) with a fake forward (no model), so every report
+carries real page accounting across the wire and a plan executed twice or out of order shows up in the counts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -21,12 +22,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockstep.kv.allocator import PagePool
-from lockstep.kv.page_keys import key_salt, next_key, page_keys
+from lockstep.kv.page_keys import key_salt, page_keys
+from lockstep.kv.rank_cache import RankCache, StepRefused
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank.main import default_rank, parse_args
-from lockstep.rank.service import SERVICE_NAME, STEP_SECONDS, RankServer, RankServicer
-from lockstep.steps import Admit, Chunk, Plan, PoolState, Probe, ProbeAnswer, Report, Sampled
+from lockstep.rank.service import SERVICE_NAME, RankServer, RankServicer
+from lockstep.steps import Admit, Chunk, Plan, PoolState, Probe, ProbeAnswer, RankInfo, Report, Sampled, Timings
 from lockstep.wire import info_from_proto, plan_to_proto, report_from_proto
 
 PAGE = 4
@@ -36,30 +38,25 @@ SALT = key_salt("pool-engine", PAGE)
 
 
 class PoolEngine:
-    """Carries out plans over one PagePool: pins, allocates, commits full pages, samples a fake token."""
+    """The engine's own page bookkeeping (`RankCache` over one pool) around a fake forward that samples
+    (sum of the chunk's tokens + sample index) mod VOCAB. Unlike the engine, it raises what refuses a step,
+    so the servicer's path for an engine exception is exercised too."""
 
     def __init__(self, rank: int = 0, pages: int = PAGES) -> None:
         self.rank = rank
-        self.pool = PagePool("full", pages)
-        self.length: dict[str, int] = {}
-        self.parent: dict[str, bytes | None] = {}
-        self.tail: dict[str, list[int]] = {}
+        self.cache = RankCache(PagePool("full", pages), PAGE, SALT, max_model_len=64, rank=rank)
         self.executed: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self._busy = threading.Lock()
 
-    def info(self) -> dict:
-        return {
-            "rank": self.rank,
-            "world_size": 1,
-            "model_id": "pool-engine",
-            "page_size": PAGE,
-            "pools": {"full": self.pool.num_pages},
-            "max_model_len": 64,
-            "vocab_size": VOCAB,
-        }
+    @property
+    def pool(self) -> PagePool:
+        return self.cache.pool
+
+    def info(self) -> RankInfo:
+        return RankInfo(self.rank, 1, "pool-engine", PAGE, self.cache.totals(), 64, VOCAB)
 
     def step(self, plan: Plan) -> Report:
         if not self._busy.acquire(blocking=False):
@@ -73,39 +70,20 @@ class PoolEngine:
             self._busy.release()
 
     def _step(self, plan: Plan) -> Report:
-        for rid in plan.releases:
-            self.pool.release(rid)
-            for state in (self.length, self.parent, self.tail):
-                state.pop(rid, None)
-        for a in plan.admits:
-            self.pool.pin(a.request_id, a.prefix_keys)
-            self.length[a.request_id] = len(a.prefix_keys) * PAGE
-            self.parent[a.request_id] = a.prefix_keys[-1] if a.prefix_keys else None
-            self.tail[a.request_id] = []
-        sampled = []
-        for c in plan.batch:
-            if c.request_id not in self.length:
-                raise KeyError(f"chunk for {c.request_id!r}, which this rank never admitted")
-            if c.start != self.length[c.request_id]:
-                raise ValueError(
-                    f"{c.request_id!r} holds {self.length[c.request_id]} positions, chunk starts {c.start}"
-                )
-            end = c.start + len(c.token_ids)
-            have = len(self.pool.table(c.request_id)) if c.request_id in self.pool.owners() else 0
-            self.pool.allocate(c.request_id, -(-end // PAGE) - have)
-            table = self.pool.table(c.request_id)
-            for t in c.token_ids:
-                self.tail[c.request_id].append(t)
-                self.length[c.request_id] += 1
-                if len(self.tail[c.request_id]) == PAGE:
-                    key = next_key(self.parent[c.request_id], self.tail[c.request_id], SALT)
-                    self.pool.commit(c.request_id, table[self.length[c.request_id] // PAGE - 1], key)
-                    self.parent[c.request_id], self.tail[c.request_id] = key, []
-            if c.sample:
-                sampled.append(Sampled(c.request_id, (sum(c.token_ids) + c.sample_index) % VOCAB))
-        probes = [ProbeAnswer(p.request_id, *self.pool.probe(p.keys)) for p in plan.probes]
-        self.pool.check()
-        return Report(plan.step, self.rank, sampled, probes, [self.pool.stats()], timings={"forward": 0.0})
+        t0 = time.perf_counter()
+        try:
+            self.cache.prepare(plan)
+        except StepRefused as exc:
+            self.cache.undo_admits()
+            raise exc.__cause__ from None
+        sampled = tuple(
+            Sampled(c.request_id, (sum(c.token_ids) + c.sample_index) % VOCAB) for c in plan.batch if c.sample
+        )
+        for chunk in plan.batch:
+            self.cache.advance(chunk)
+        probes, pools = self.cache.finish(plan)
+        self.cache.check()
+        return Report(plan.step, self.rank, sampled, probes, pools, timings=Timings(step_s=time.perf_counter() - t0))
 
 
 def slow_pool_engine(cfg) -> PoolEngine:
@@ -165,20 +143,20 @@ def test_plans_run_in_order_with_real_page_accounting(rank):
     s = StepStream(channel)
     r0 = s.step(Plan(step=0, admits=(Admit("a"),), batch=(Chunk("a", tuple(PROMPT), 0, sample=True),)))
     assert r0.step == 0 and r0.rank == 0
-    assert r0.sampled == [Sampled("a", sum(PROMPT) % VOCAB)]
+    assert r0.sampled == (Sampled("a", sum(PROMPT) % VOCAB),)
     assert pool(r0) == PoolState("full", PAGES, PAGES - 3, 0, 3, pinned=2)
-    assert STEP_SECONDS in r0.timings and "forward" in r0.timings
+    assert 0 < r0.timings.step_s <= r0.timings.rank_step_s  # the engine's timings, and the service's own
     r1 = s.step(Plan(step=1, batch=(Chunk("a", (11, 12), 10, sample=True, sample_index=1),)))
     assert pool(r1) == PoolState("full", PAGES, PAGES - 3, 0, 3, pinned=3)
     r2 = s.step(Plan(step=2, releases=("a",), probes=(Probe("b", tuple(KEYS) + (b"unknown",)),)))
     assert pool(r2) == PoolState("full", PAGES, PAGES - 3, 3, 0)
-    assert r2.probes == [ProbeAnswer("b", 2, 0)]
+    assert r2.probes == (ProbeAnswer("b", 2, 0),)
     r3 = s.step(Plan(step=3, admits=(Admit("b", tuple(KEYS)),), batch=(Chunk("b", (9, 10), 8),)))
     assert pool(r3) == PoolState("full", PAGES, PAGES - 4, 1, 3, pinned=2)
     assert engine.executed == [0, 1, 2, 3]
     assert servicer.last_step == 3
     info = info_from_proto(rank_pb2_grpc.RankServiceStub(channel).Info(pb.InfoRequest()))
-    assert info["last_step"] == 3 and info["pools"] == {"full": PAGES} and info["page_size"] == PAGE
+    assert info.last_step == 3 and info.pool_totals == {"full": PAGES} and info.page_size == PAGE
     s.close()
 
 
@@ -196,7 +174,7 @@ def test_duplicate_plan_is_answered_again_and_executed_once(rank):
     assert pool(first) == PoolState("full", PAGES, PAGES - 3, 0, 3, pinned=2)
     done = s.step(Plan(step=3, releases=("b",)))
     assert pool(done) == PoolState("full", PAGES, PAGES - 2, 2, 0)
-    engine.pool.check()
+    engine.cache.check()
 
 
 def test_out_of_order_and_conflicting_plans_are_refused_not_run(rank):
@@ -219,14 +197,14 @@ def test_engine_exception_becomes_report_error_and_the_stream_goes_on(rank):
     s = StepStream(channel)
     before = pool(s.step(Plan(step=0, admits=(Admit("a"),), batch=(Chunk("a", tuple(PROMPT[:4]), 0),))))
     refused = s.step(Plan(step=1, admits=(Admit("b", (KEYS[0], KEYS[1])),)))
-    assert refused.step == 1 and refused.rank == 0 and refused.pools == []
+    assert refused.step == 1 and refused.rank == 0 and refused.pools == ()
     assert refused.error.startswith("PrefixNotHeld:")
     assert "asked to pin 2 prefix pages but the index holds only the first 1" in refused.error
     bug = s.step(Plan(step=2, batch=(Chunk("ghost", (1,), 0),)))
-    assert "KeyError" in bug.error and "never admitted" in bug.error
+    assert "StepRefused" in bug.error and "request ghost is not admitted" in bug.error
     after = s.step(Plan(step=3, probes=(Probe("b", tuple(KEYS)),)))
     assert pool(after) == before
-    assert after.probes == [ProbeAnswer("b", 1, 1)]
+    assert after.probes == (ProbeAnswer("b", 1, 1),)
     assert servicer.last_step == 3
 
 
@@ -380,7 +358,7 @@ def test_rank_process_health_then_sigterm_exits_cleanly():
         seen = _wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)
         assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
         info = info_from_proto(rank_pb2_grpc.RankServiceStub(channel).Info(pb.InfoRequest(), timeout=5))
-        assert info["rank"] == 1 and info["pools"] == {"full": 8}
+        assert info.rank == 1 and info.pool_totals == {"full": 8}
         s = StepStream(channel)
         r = s.step(Plan(step=0, admits=(Admit("a"),), batch=(Chunk("a", (1, 2, 3, 4, 5), 0),)))
         assert r.rank == 1 and pool(r) == PoolState("full", 8, 6, 0, 2, pinned=1)
@@ -420,8 +398,8 @@ def test_a_refused_plan_breaks_a_group_of_several_ranks():
     from lockstep.rank.service import RankServicer
 
     class TwoRankEngine(PoolEngine):
-        def info(self) -> dict:
-            return {**super().info(), "world_size": 2}
+        def info(self) -> RankInfo:
+            return replace(super().info(), world_size=2)
 
     fatal: list[str] = []
     servicer = RankServicer(0, TwoRankEngine(), on_fatal=fatal.append)

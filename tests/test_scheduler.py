@@ -1,223 +1,17 @@
-"""The scheduler driven against simulated ranks: one real PagePool per rank, each rank its own size and
-its own flushes, carrying out every plan the way the engine does (releases, flush, pins, allocations,
-"forward", sampling, commits, probes) and refusing a step as a group.
-
-The simulated sampler draws a token from the seed, the sample index and every token the rank holds for
-the request, so a rank that held the wrong tokens at the wrong positions (a bad prefix, a recompute that
-resumed wrong) samples differently from the reference and the test sees it.
-"""
+"""The scheduler driven against simulated ranks (`sim_ranks`): chunking, prefixes, flushes, preemption,
+refusals, aborts and replays, each checked against the tokens an undisturbed run draws."""
 
 from __future__ import annotations
 
-import hashlib
-import random
-import struct
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from lockstep.coordinator.admission import pages_for
 from lockstep.coordinator.request import Request, RequestStatus, default_seed
 from lockstep.coordinator.scheduler import FINISHED, PREEMPTED, TOKEN, Event, Scheduler
-from lockstep.kv.allocator import PagePool, PrefixNotHeld
-from lockstep.kv.page_keys import key_salt, next_key, page_keys
-from lockstep.steps import Plan, ProbeAnswer, Report, Sampled, SamplingParams
-
-SALT = key_salt("sim-model", 4)
-VOCAB = 50
-
-
-def fake_sample(seed: int, sample_index: int, context: list[int]) -> int:
-    data = struct.pack(f"<qq{len(context)}I", seed, sample_index, *context)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little") % VOCAB
-
-
-def reference(req: Request) -> list[int]:
-    """What the request must generate: each token drawn from the exact context before it."""
-    out: list[int] = []
-    while len(out) < req.max_tokens:
-        tok = fake_sample(req.sampling.seed, len(out), list(req.prompt_token_ids) + out)
-        out.append(tok)
-        if tok in req.stop_token_ids:
-            break
-    return out
-
-
-@dataclass
-class _Seq:
-    tokens: list[int]
-    committed: int
-    parent: bytes | None
-
-
-@dataclass
-class SimRank:
-    rank: int
-    num_pages: int
-    page_size: int
-    caching: bool = True
-    pool: PagePool = field(init=False)
-    seqs: dict[str, _Seq] = field(default_factory=dict)
-    contents: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
-    allocated: int = 0
-
-    def __post_init__(self) -> None:
-        self.pool = PagePool("default", self.num_pages)
-
-    def prepare(self, plan: Plan, flush: bool, refuse: str = "") -> str:
-        for rid in plan.releases:
-            self.pool.release(rid)
-            self.seqs.pop(rid, None)
-        if flush:
-            self.pool.flush()
-        try:
-            for admit in plan.admits:
-                assert admit.request_id not in self.seqs, f"{admit.request_id} admitted twice"
-                self.pool.pin(admit.request_id, admit.prefix_keys)
-                tokens = [t for k in admit.prefix_keys for t in self.contents[k]]
-                parent = admit.prefix_keys[-1] if admit.prefix_keys else None
-                self.seqs[admit.request_id] = _Seq(tokens, len(admit.prefix_keys), parent)
-        except PrefixNotHeld as exc:
-            return str(exc)
-        for chunk in plan.batch:
-            seq = self.seqs[chunk.request_id]
-            assert chunk.start == len(seq.tokens), f"rank {self.rank}: {chunk} but holds {len(seq.tokens)}"
-            need = pages_for(chunk.start + len(chunk.token_ids), self.page_size)
-            need -= len(self.pool.table(chunk.request_id))
-            if need > 0:
-                self.pool.allocate(chunk.request_id, need)  # OutOfPages here: the scheduler over-admitted
-                self.allocated += need
-        return refuse
-
-    def finish(self, plan: Plan, refused: str) -> Report:
-        report = Report(step=plan.step, rank=self.rank)
-        if refused:
-            for admit in plan.admits:
-                self.pool.release(admit.request_id)
-                self.seqs.pop(admit.request_id, None)
-            report.error = refused
-        else:
-            for chunk in plan.batch:
-                seq = self.seqs[chunk.request_id]
-                seq.tokens.extend(chunk.token_ids)
-                if chunk.sample:
-                    tok = fake_sample(chunk.sampling.seed, chunk.sample_index, seq.tokens)
-                    report.sampled.append(Sampled(chunk.request_id, tok))
-                if self.caching:
-                    self._commit(chunk.request_id, seq)
-        for probe in plan.probes:
-            matched, pinned = self.pool.probe(probe.keys) if self.caching else (0, 0)
-            report.probes.append(ProbeAnswer(probe.request_id, matched, pinned))
-        report.pools = [self.pool.stats()]
-        self.pool.check()
-        return report
-
-    def _commit(self, rid: str, seq: _Seq) -> None:
-        table = self.pool.table(rid)
-        ps = self.page_size
-        for i in range(seq.committed, len(seq.tokens) // ps):
-            page = tuple(seq.tokens[i * ps : (i + 1) * ps])
-            key = next_key(seq.parent, page, SALT)
-            self.pool.commit(rid, table[i], key)
-            self.contents[key] = page
-            seq.parent = key
-        seq.committed = max(seq.committed, len(seq.tokens) // ps)
-
-    def warm(self, tokens: list[int]) -> None:
-        """Leave the full pages of `tokens` cached (unpinned) on this rank, as an earlier request would."""
-        keys = page_keys(tokens, self.page_size, SALT)
-        self.pool.allocate("warm", len(keys))
-        for i, (page, key) in enumerate(zip(self.pool.table("warm"), keys, strict=True)):
-            self.pool.commit("warm", page, key)
-            self.contents[key] = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-        self.pool.release("warm")
-
-    def assert_idle(self) -> None:
-        s = self.pool.stats()
-        assert self.pool.owners() == [], f"rank {self.rank} still holds {self.pool.owners()}"
-        assert s.pinned == 0 and s.used == 0 and s.free + s.evictable == s.total, s
-
-
-class Group:
-    """A scheduler and its simulated ranks, stepped together; checks every plan as it goes."""
-
-    def __init__(self, sched: Scheduler, pools: list[int], caching: bool = True) -> None:
-        self.sched = sched
-        self.ranks = [SimRank(r, n, sched.page_size, caching) for r, n in enumerate(pools)]
-        self.reports: list[Report] = []
-        self.step = 0
-        self.plans: list[Plan] = []
-        self.events: list[Event] = []
-        self.next_start: dict[str, int] = {}
-
-    def run_step(
-        self,
-        flush: tuple[int, ...] = (),
-        refuse: dict[int, str] | None = None,
-        between: Callable[[Plan], None] | None = None,
-        tamper: Callable[[list[Report]], None] | None = None,
-    ) -> list[Event]:
-        """One step; `between` runs while the plan is in flight, `tamper` edits the reports on their way."""
-        plan = self.sched.plan(self.step, self.reports, flush=bool(flush))
-        before = dict(self.next_start)
-        self._check_plan(plan)
-        if between is not None:
-            between(plan)
-        refuse = refuse or {}
-        errors = [r.prepare(plan, r.rank in flush, refuse.get(r.rank, "")) for r in self.ranks]
-        group_error = next((e for e in errors if e), "")
-        if group_error:  # nothing ran: the chunks of the running requests come again
-            self.next_start = {rid: before[rid] for rid in self.next_start if rid in before}
-        reports = [
-            r.finish(plan, (errors[r.rank] or "another rank refused") if group_error else "")
-            for r in self.ranks
-        ]
-        if tamper is not None:
-            tamper(reports)
-        events = self.sched.apply(reports)
-        self.reports, self.step = reports, self.step + 1
-        self.plans.append(plan)
-        self.events.extend(events)
-        assert self.sched.num_running <= self.sched.max_num_seqs
-        return events
-
-    def _check_plan(self, plan: Plan) -> None:
-        sched = self.sched
-        assert sum(len(c.token_ids) for c in plan.batch) <= sched.max_num_batched_tokens
-        assert len({c.request_id for c in plan.batch}) == len(plan.batch)
-        for rid in plan.releases:
-            self.next_start.pop(rid, None)
-        for admit in plan.admits:
-            self.next_start[admit.request_id] = len(admit.prefix_keys) * sched.page_size
-        for c in plan.batch:
-            req = sched.requests[c.request_id]
-            assert c.start == self.next_start[c.request_id], f"{c} is not contiguous"
-            end = c.start + len(c.token_ids)
-            self.next_start[c.request_id] = end
-            assert c.token_ids == req.token_ids(c.start, end)
-            assert c.sample == (end == req.num_tokens)
-            assert c.sample_index == len(req.generated)
-            assert c.sampling.seed is not None
-        if not sched.prefix_caching:
-            assert not plan.probes and all(not a.prefix_keys for a in plan.admits)
-
-    def run(self, limit: int = 3000) -> None:
-        while self.sched.has_work():
-            self.run_step()
-            assert self.step < limit, f"no progress after {limit} steps: {self.sched.running} {self.sched.waiting}"
-        for r in self.ranks:
-            r.assert_idle()
-
-
-def make_sched(ranks: int = 1, budget: int = 16, seqs: int = 4, caching: bool = True, **kw) -> Scheduler:
-    return Scheduler(4, SALT, budget, seqs, ranks, prefix_caching=caching, **kw)
-
-
-def finished(events: list[Event]) -> dict[str, Event]:
-    return {e.request_id: e for e in events if e.kind == FINISHED}
+from lockstep.kv.page_keys import page_keys
+from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report, Sampled, SamplingParams
+from sim_ranks import SALT, Group, SimRank, fake_sample, finished, make_sched, reference
 
 
 def test_chunked_prefill_then_decode_with_positions_and_sample_index():
@@ -347,6 +141,32 @@ def test_flush_in_the_admitting_step_admits_without_a_prefix():
     assert not any(e.error for e in g.events)
 
 
+def test_a_flush_comes_after_the_pins_of_its_own_plan():
+    """The engine flushes after the step's pins and commits, so an admit agreed on a cached prefix survives a
+    flush in the same plan, and the probes answer from the flushed state (the pinned prefix stays indexed).
+    The ranks simulated here once flushed before pinning, and refused this plan; they now run the engine's
+    own bookkeeping, so that order can no longer drift from the engine's."""
+    rank = SimRank(0, 16, 4)
+    prompt = list(range(1, 15))  # 3 full pages and 2 tokens
+    rank.warm(prompt)
+    keys = tuple(page_keys(prompt, 4, SALT))
+    seed = SamplingParams(seed=7)
+    plan = Plan(
+        step=0,
+        admits=(Admit("x", keys[:2]),),
+        batch=(Chunk("x", tuple(prompt[8:]), 8, sample=True, sampling=seed),),
+        probes=(Probe("y", keys),),
+        flush_prefix_cache=True,
+    )
+    assert rank.prepare(plan) == ""
+    report = rank.finish(plan, "")
+    assert not report.error
+    assert report.sampled == (Sampled("x", fake_sample(7, 0, prompt)),)
+    # x's two pinned pages stay; the flush took the cached third page (x's own copy of it stays private).
+    assert report.probes == (ProbeAnswer("y", 2, 2),)
+    assert report.pools[0].evictable == 0
+
+
 def test_preemption_under_pressure_recomputes_and_resumes():
     sched = make_sched(ranks=2, budget=32, seqs=4, caching=False)
     g = Group(sched, [12, 9], caching=False)
@@ -464,7 +284,7 @@ def test_step_refused_by_only_some_ranks_preempts_the_batch():
     g.run_step()
 
     def rank1_failed(reports: list[Report]) -> None:
-        reports[1].error = "rank 1: lost its device"
+        reports[1] = replace(reports[1], error="rank 1: lost its device")
 
     events = g.run_step(tamper=rank1_failed)
     assert [e.kind for e in events] == [PREEMPTED] and a.status is RequestStatus.WAITING
@@ -480,7 +300,7 @@ def test_missing_sample_fails_only_that_request():
     g = Group(sched, [30], caching=False)
     sched.add(Request("a", [1, 2], max_tokens=3))
     g.run_step()
-    events = g.run_step(tamper=lambda reports: reports[0].sampled.clear())
+    events = g.run_step(tamper=lambda reports: reports.__setitem__(0, replace(reports[0], sampled=())))
     assert finished(events)["a"].finish_reason == "error" and "no rank sampled" in finished(events)["a"].error
     g.run()
 
@@ -528,151 +348,6 @@ def test_bad_protocol_use_gets_specific_errors():
         Scheduler(4, SALT, 16, 0, 1)
 
 
-def test_requeue_all_keeps_every_request_for_a_fresh_group():
-    """The group goes down with a plan in flight: every request waits, with its tokens, and a fresh
-    group (new ranks, no reports yet) finishes all of them with the tokens of an undisturbed run."""
-    sched = make_sched(ranks=2, caching=False)
-    g = Group(sched, [30, 30], caching=False)
-    reqs = [Request(f"q{i}", [1, 2, 3], max_tokens=20) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
-    for _ in range(4):
-        g.run_step()
-    sched.plan(g.step, g.reports)  # in flight when the group goes down
-    events = sched.requeue_all()
-    assert {e.request_id for e in events} == {r.request_id for r in reqs if r.generated}
-    assert sched.num_running == 0 and sched.num_waiting == 3 and all(r.num_computed == 0 for r in reqs)
-    assert sched.stats.preemptions == 0  # not counted: nothing was short of pages
-    fresh = Group(sched, [30, 30], caching=False)
-    fresh.step = g.step + 1
-    sched.add(Request("after", [5, 6], max_tokens=2))
-    fresh.run()
-    assert all(r.generated == reference(r) for r in reqs)
-
-
-# ----- the randomized multi-rank run
-
-PREFIXES = [[(7 * k + i) % VOCAB for i in range(16)] for k in range(4)]
-
-
-@dataclass
-class Workload:
-    pools: list[int]
-    budget: int
-    seqs: int
-    caching: bool
-    arrivals: list[tuple[int, int, int, list[int], int, bool]]  # step, prefix, its length, own, max_tokens, stop
-    flushes: dict[int, int] = field(default_factory=dict)  # step -> rank
-    aborts: dict[int, int] = field(default_factory=dict)  # step -> request index
-    refusals: set[int] = field(default_factory=set)  # steps rank 0 refuses
-
-
-def drive(w: Workload) -> Group:
-    """Run a workload to the end and check everything a client and an operator would check."""
-    sched = make_sched(ranks=len(w.pools), budget=w.budget, seqs=w.seqs, caching=w.caching)
-    g = Group(sched, w.pools, caching=w.caching)
-    reqs = [
-        Request(f"r{i}", PREFIXES[pre][:plen] + own, SamplingParams(), max_tokens, [3] if stop else ())
-        for i, (_, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals)
-    ]
-    order = sorted(range(len(reqs)), key=lambda i: w.arrivals[i][0])
-    aborted: set[str] = set()
-    nxt = 0
-    while nxt < len(order) or sched.has_work():
-        while nxt < len(order) and w.arrivals[order[nxt]][0] <= g.step:
-            sched.add(reqs[order[nxt]])
-            nxt += 1
-        victim = w.aborts.get(g.step)
-        if victim is not None and victim < len(reqs) and sched.abort(reqs[victim].request_id):
-            aborted.add(reqs[victim].request_id)
-        flush = (w.flushes[g.step],) if g.step in w.flushes else ()
-        g.run_step(flush=flush, refuse={0: "injected"} if g.step in w.refusals else None)
-        assert g.step < 5000, "no progress"
-    for r in g.ranks:
-        r.assert_idle()
-    refused_admits = 0
-    for req in reqs:
-        assert req.finished, req
-        tokens = [e.token_id for e in g.events if e.kind == TOKEN and e.request_id == req.request_id]
-        assert tokens == req.generated
-        if req.request_id in aborted:
-            assert req.finish_reason == "abort"
-        elif pages_for(req.max_positions, 4) > min(w.pools):
-            assert req.finish_reason == "error" and "smallest rank pool" in req.error
-        elif req.finish_reason == "error":
-            assert "injected" in req.error, req.error
-            refused_admits += 1
-        else:
-            ref = reference(req)
-            assert req.generated == ref, (req, ref)
-            assert req.finish_reason == ("stop" if ref[-1] in req.stop_token_ids else "length")
-    assert refused_admits <= len(w.refusals) * w.seqs
-    return g
-
-
-@st.composite
-def workloads(draw) -> Workload:
-    ranks = draw(st.integers(1, 3))
-    arrival = st.tuples(
-        st.integers(0, 120),
-        st.integers(0, 3),
-        st.integers(0, 14),
-        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
-        st.integers(1, 30),
-        st.booleans(),
-    )
-    return Workload(
-        pools=draw(st.lists(st.integers(8, 30), min_size=ranks, max_size=ranks)),
-        budget=draw(st.integers(3, 24)),
-        seqs=draw(st.integers(1, 8)),
-        caching=draw(st.booleans()),
-        arrivals=draw(st.lists(arrival, min_size=2, max_size=40)),
-        flushes=draw(st.dictionaries(st.integers(0, 150), st.integers(0, ranks - 1), max_size=4)),
-        aborts=draw(st.dictionaries(st.integers(0, 150), st.integers(0, 39), max_size=3)),
-        refusals=draw(st.sets(st.integers(0, 150), max_size=2)),
-    )
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_multi_rank_runs_never_overdraw_and_finish_every_request(w: Workload):
-    drive(w)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_long_run_of_divergent_ranks_under_pressure(seed: int):
-    rng = random.Random(seed)
-    arrivals = [
-        (rng.randrange(600), rng.randrange(4), rng.randrange(17),
-         [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], rng.randint(1, 24), rng.random() < 0.3)
-        for _ in range(160)
-    ]
-    w = Workload(
-        pools=[14, 10, 18], budget=10, seqs=6, caching=True, arrivals=arrivals,
-        flushes={s: rng.randrange(3) for s in range(25, 700, 45)},
-        aborts={rng.randrange(700): rng.randrange(160) for _ in range(6)},
-        refusals={rng.randrange(700) for _ in range(3)},
-    )
-    g = drive(w)
-    assert g.step > 600
-    assert g.sched.stats.preemptions > 0 and g.sched.stats.prefix_hit_tokens > 0
-    assert any(len(a.prefix_keys) for p in g.plans for a in p.admits)
-
-
-def test_pressure_workload_preempts_and_still_finishes_everything():
-    sched = make_sched(ranks=3, budget=12, seqs=6, caching=True)
-    g = Group(sched, [16, 12, 20])
-    reqs = [Request(f"p{i}", PREFIXES[i % 2][: 6 + i] + [i], max_tokens=14) for i in range(8)]
-    for r in reqs:
-        sched.add(r)
-    g.run()
-    assert sched.stats.preemptions >= 2
-    for r in reqs:
-        assert r.generated == reference(r) and r.finish_reason == "length"
-    assert max(r.num_preemptions for r in reqs) >= 1
-    assert sched.stats.prefix_hit_tokens > 0
-
-
 def test_pages_a_release_frees_count_only_from_the_next_report():
     sched = make_sched(ranks=1, budget=64, caching=False)
     g = Group(sched, [5], caching=False)
@@ -689,55 +364,6 @@ def test_pages_a_release_frees_count_only_from_the_next_report():
     assert [x.request_id for x in g.plans[3].admits] == ["b"]
     assert sched.stats.deferred["pages"] == 2
     g.run()
-
-
-def test_requeue_all_keeps_requests_across_a_dead_rank_and_replays_them():
-    sched = make_sched(ranks=2, budget=8, caching=True)
-    g = Group(sched, [30, 30])
-    reqs = [Request(f"k{i}", list(range(1, 11)), max_tokens=12) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
-    for _ in range(6):
-        g.run_step()
-    sched.plan(g.step, g.reports)  # in flight when rank 1 dies
-    kept = {r.request_id: list(r.generated) for r in reqs}
-    running = [r.request_id for r in sched.running]
-    assert len(running) >= 2 and any(kept.values())
-    events = sched.requeue_all()
-    assert sorted(e.request_id for e in events) == sorted(running)
-    assert all(e.kind == PREEMPTED for e in events) and sched.stats.preemptions == 0
-    assert [r.request_id for r in sched.waiting] == ["k0", "k1", "k2"]  # arrival order kept
-    fresh = Group(sched, [30, 30])  # the group recreated: empty caches
-    fresh.step = g.step + 1
-    fresh.run()
-    for r in reqs:
-        assert r.generated[: len(kept[r.request_id])] == kept[r.request_id]
-        assert r.generated == reference(r) and r.finish_reason == "length"
-
-
-def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
-    """Group A goes down mid-generation; group B adopts the request, recomputes prompt + generated and
-    produces exactly the tokens an undisturbed run would have, keeping what the client already has."""
-    a_sched = make_sched(budget=32, caching=False)
-    a = Group(a_sched, [32], caching=False)
-    req = Request("r", list(range(1, 11)), max_tokens=12)
-    a_sched.add(req)
-    while len(req.generated) < 5:
-        a.run_step()
-    kept = list(req.generated)
-    a_sched.requeue_all()
-    b_sched = make_sched(budget=32)
-    b = Group(b_sched, [32])
-    b_sched.adopt(req)
-    with pytest.raises(ValueError, match="already in use"):
-        b_sched.adopt(req)
-    b.run_step()
-    b.run_step()
-    first = next(c for p in b.plans for c in p.batch if c.request_id == "r")
-    assert first.start == 0 and first.token_ids == tuple(range(1, 11)) + tuple(kept)
-    assert first.sample and first.sample_index == len(kept)
-    b.run()
-    assert req.generated[: len(kept)] == kept and req.generated == reference(req)
 
 
 def test_a_refusal_that_repeats_preempts_instead_of_replanning_forever():

@@ -19,7 +19,9 @@ from lockstep.serve import default_tp
 
 
 def _config(tmp_path: Path, **cfg) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64 * cfg["num_attention_heads"],
+            "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
     return tmp_path
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,9 +16,11 @@ from lockstep.steps import (
     PoolState,
     Probe,
     ProbeAnswer,
+    RankInfo,
     Report,
     Sampled,
     SamplingParams,
+    Timings,
 )
 from lockstep.wire import (
     WireError,
@@ -64,14 +68,16 @@ reports = st.builds(
     Report,
     step=counts,
     rank=st.integers(0, 1024),
-    sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64)), max_size=4),
-    probes=st.lists(st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts), max_size=4),
+    sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64)), max_size=4).map(tuple),
+    probes=st.lists(
+        st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts), max_size=4
+    ).map(tuple),
     pools=st.lists(
         st.builds(PoolState, pool=st.text(), total=counts, free=counts, evictable=counts, used=counts, pinned=counts),
         max_size=3,
-    ),
+    ).map(tuple),
     error=st.text(),
-    timings=st.dictionaries(st.text(), finite, max_size=4),
+    timings=st.builds(Timings, step_s=finite, forward_s=finite, rank_step_s=finite),
 )
 
 
@@ -139,22 +145,32 @@ def test_bad_plan_from_the_wire_is_refused():
 
 
 def test_report_that_does_not_fit_names_step_and_rank():
-    report = Report(step=4, rank=1, pools=[PoolState("full", 2**64, 0, 0, 0)])
+    report = Report(step=4, rank=1, pools=(PoolState("full", 2**64, 0, 0, 0),))
     with pytest.raises(WireError, match="report of step 4 from rank 1 does not fit"):
         report_to_proto(report)
 
 
-def test_info_round_trip_and_missing_fields():
-    info = {
-        "rank": 1,
-        "world_size": 3,
-        "model_id": "smollm2",
-        "page_size": 16,
-        "pools": {"full": 4096, "sliding": 512},
-        "max_model_len": 8192,
-        "vocab_size": 49152,
-    }
-    back = info_from_proto(pb.RankInfo.FromString(info_to_proto(info, last_step=41).SerializeToString()))
-    assert back == {**info, "last_step": 41}
-    with pytest.raises(WireError, match="engine info lacks max_model_len, vocab_size"):
-        info_to_proto({k: v for k, v in info.items() if k not in ("max_model_len", "vocab_size")})
+def test_info_round_trip_and_what_does_not_fit():
+    info = RankInfo(
+        rank=1,
+        world_size=3,
+        model_id="smollm2",
+        page_size=16,
+        pools={"sliding": 512, "full": 4096},
+        max_model_len=8192,
+        vocab_size=49152,
+    )
+    assert info.pools == (("full", 4096), ("sliding", 512)) and info.last_step == -1
+    back = info_from_proto(pb.RankInfo.FromString(info_to_proto(replace(info, last_step=41)).SerializeToString()))
+    assert back == replace(info, last_step=41)
+    assert back.pool_totals == {"full": 4096, "sliding": 512}
+    with pytest.raises(WireError, match="rank info does not fit RankInfo"):
+        info_to_proto(replace(info, page_size=2**64))
+
+
+def test_timings_travel_by_name_and_unknown_ones_are_dropped():
+    report = Report(step=1, rank=0, timings=Timings(step_s=0.5, rank_step_s=0.75))
+    msg = report_to_proto(report)
+    assert dict(msg.timings) == {"step_s": 0.5, "rank_step_seconds": 0.75}
+    msg.timings["newer_phase_s"] = 9.0
+    assert report_from_proto(msg) == report

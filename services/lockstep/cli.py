@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "serve":
         from lockstep.serve import main as run
     elif command == "bench":
-        from lockstep.bench import main as run
+        from lockstep.bench.command import main as run
     else:
         print(f"lockstep: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """A group of N engine ranks in N local processes, driven plan by plan without any server.
 
 This is how tests and the in-process benchmark run the engine at TP > 1: the same Engine.step that
-the rank service wraps, with real torch.distributed collectives (gloo on CPU) between processes.
+the rank service wraps, behind the same delivery rules (`StepGate`: in order, each plan once), with
+real torch.distributed collectives (gloo on CPU) between processes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import socket
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from lockstep.steps import Plan, Report
+from lockstep.engine_config import EngineConfig
+from lockstep.steps import Plan, RankInfo, Report, StepGate
 
 
 def free_port() -> int:
@@ -21,23 +23,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(conn: Connection, rank: int, world_size: int, rendezvous: str, kwargs: dict, threads: int) -> None:
+def _rank_main(conn: Connection, cfg: EngineConfig, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
     from lockstep.engine import Engine
 
+    rank = cfg.rank
     try:
-        engine = Engine.create(rank=rank, world_size=world_size, rendezvous=rendezvous, **kwargs)
+        engine = Engine.create(cfg)
     except Exception as exc:  # the parent reports the failure; the child must not hang silently
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", engine.info()))
+    gate = StepGate(rank)
+
+    def refuse(plan: Plan, why: str) -> Report:
+        return Report(step=plan.step, rank=rank, error=why)
+
     while True:
         msg = conn.recv()
         if msg is None:
             break
-        conn.send(engine.step(msg))
+        conn.send(gate.deliver(msg, engine.step, refuse))
 
 
 class LocalGroup:
@@ -63,16 +71,13 @@ class LocalGroup:
         self.procs: list[mp.process.BaseProcess] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            kwargs = dict(
-                model_dir=model_dir, page_size=page_size, kv_pages=pages[rank], prefix_caching=prefix_caching
-            )
-            proc = ctx.Process(
-                target=_rank_main, args=(child, rank, world_size, rendezvous, kwargs, threads), daemon=True
-            )
+            cfg = EngineConfig(model=str(model_dir), rank=rank, world_size=world_size, rendezvous=rendezvous,
+                               page_size=page_size, kv_pages=pages[rank], prefix_caching=prefix_caching)
+            proc = ctx.Process(target=_rank_main, args=(child, cfg, threads), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.infos = [self._recv(rank, "ready") for rank in range(world_size)]
+        self.infos: list[RankInfo] = [self._recv(rank, "ready") for rank in range(world_size)]
 
     def _recv(self, rank: int, expect: str | None = None):
         conn = self.conns[rank]

@@ -1,4 +1,5 @@
-"""Plain data of the step protocol: what a plan tells every rank and what a rank reports back.
+"""Plain data of the step protocol: what a plan tells every rank and what a rank reports back, what a
+rank serves, and the rules by which a rank takes plans (`StepGate`).
 
 These are the cores' types. The rank and coordinator services translate them to and from the
 protobuf messages of `proto/` at their edges; nothing here imports torch, grpc or aiohttp, so the
@@ -7,7 +8,11 @@ coordinator's pure decisions and the engine share one vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("lockstep.steps")
 
 
 @dataclass(frozen=True)
@@ -96,17 +101,99 @@ class Sampled:
     token_id: int
 
 
-@dataclass
+@dataclass(frozen=True)
+class Timings:
+    """Seconds one rank spent on one step, for the coordinator's step-time breakdown (0.0: not measured)."""
+
+    step_s: float = 0.0  # the engine's whole step, from the plan to its report
+    forward_s: float = 0.0  # the forward pass and sampling
+    rank_step_s: float = 0.0  # the rank service's handling of the plan, the engine's step included
+
+
+@dataclass(frozen=True)
 class Report:
-    """What one rank says after carrying out plan `step`. `error` set means the step was refused."""
+    """What one rank says after carrying out plan `step`. `error` set means the step was refused.
+
+    Built once, at the end of the step, and never changed: the same object answers a plan delivered again.
+    """
 
     step: int
     rank: int
-    sampled: list[Sampled] = field(default_factory=list)
-    probes: list[ProbeAnswer] = field(default_factory=list)
-    pools: list[PoolState] = field(default_factory=list)
+    sampled: tuple[Sampled, ...] = ()
+    probes: tuple[ProbeAnswer, ...] = ()
+    pools: tuple[PoolState, ...] = ()
     error: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: Timings = Timings()
+
+    def __post_init__(self) -> None:
+        for name in ("sampled", "probes", "pools"):  # a list given here would make two equal reports differ
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank serves, as the coordinator checks it before it drives a group (the Info call).
+
+    `pools` is (pool name, total pages) per pool, kept sorted by name (a mapping may be given);
+    `last_step` is the last step the rank carried out, -1 before its first or where the teller (the
+    engine, which does not count steps) does not know it: the rank service fills it in.
+    """
+
+    rank: int
+    world_size: int
+    model_id: str
+    page_size: int
+    pools: tuple[tuple[str, int], ...]
+    max_model_len: int
+    vocab_size: int
+    last_step: int = -1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pools", tuple(sorted(dict(self.pools).items())))
+
+    @property
+    def pool_totals(self) -> dict[str, int]:
+        """Total pages of each pool, by name."""
+        return dict(self.pools)
+
+
+class StepGate:
+    """The delivery rules of one rank's plans, in one place for the rank service and LocalGroup.
+
+    Plans are carried out one at a time, in step order. The plan of the last step delivered again (a
+    coordinator that resends after a reconnect) is answered with its report and never carried out twice:
+    that would pin its prefixes twice. A different plan for that step, or a plan that skips or goes back a
+    step, is refused without being run. The first plan may have any step: a coordinator that reconnects
+    goes on from the step after the last one the rank carried out.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._plan: Plan | None = None
+        self._report: Report | None = None
+
+    @property
+    def last_step(self) -> int:
+        """The step of the last plan carried out, -1 before the first."""
+        return -1 if self._plan is None else self._plan.step
+
+    def deliver(
+        self, plan: Plan, run: Callable[[Plan], Report], refuse: Callable[[Plan, str], Report]
+    ) -> Report:
+        """`run(plan)` if it is the next plan; the last report if it came again; else `refuse(plan, why)`."""
+        last = self._plan
+        if last is not None and plan.step == last.step:
+            if plan == last:
+                log.info("rank %d: step %d delivered again; answering from the last report", self.rank, plan.step)
+                return self._report
+            return refuse(plan, f"step {plan.step} was already carried out with a different plan")
+        if last is not None and plan.step != last.step + 1:
+            return refuse(plan, f"out of order: expected step {last.step + 1} (or {last.step} again), got {plan.step}")
+        report = run(plan)
+        self._plan, self._report = plan, report
+        return report
 
 
 class GroupBroken(RuntimeError):

@@ -176,10 +176,6 @@ class Tokenizer:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
                 raise ValueError(f"token id {i!r} is outside the vocabulary [0, {limit})")
 
-    def incremental_decoder(self, prompt_ids: Iterable[int] = (),
-                            skip_special_tokens: bool = True) -> IncrementalDecoder:
-        return IncrementalDecoder(self, prompt_ids, skip_special_tokens)
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was trained on."""

@@ -1,4 +1,5 @@
-"""Plans and reports to and from their protobuf messages: the one translation at the services' edges.
+"""Plans, reports and rank infos to and from their protobuf messages: the one translation at the services'
+edges.
 
 The cores speak `lockstep.steps`; only the rank and coordinator services see protobuf. Every field
 crosses both ways unchanged (`x == from_proto(to_proto(x))`), so nothing a rank decides on can be
@@ -9,8 +10,7 @@ plan is refused as a whole instead of being half carried out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
@@ -20,12 +20,12 @@ from lockstep.steps import (
     PoolState,
     Probe,
     ProbeAnswer,
+    RankInfo,
     Report,
     Sampled,
     SamplingParams,
+    Timings,
 )
-
-INFO_FIELDS = ("rank", "world_size", "model_id", "page_size", "pools", "max_model_len", "vocab_size")
 
 
 class WireError(ValueError):
@@ -147,6 +147,10 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
     return plan
 
 
+# Timings travel as a map named by the rank; these are the names (rank_step_s keeps its older wire name).
+TIMING_NAMES = {"step_s": "step_s", "forward_s": "forward_s", "rank_step_s": "rank_step_seconds"}
+
+
 def report_to_proto(report: Report) -> pb.ReportMsg:
     """The message a rank answers one plan with."""
     try:
@@ -161,8 +165,10 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
             msg.pools.add(
                 pool=p.pool, total=p.total, free=p.free, evictable=p.evictable, used=p.used, pinned=p.pinned
             )
-        for name, seconds in report.timings.items():
-            msg.timings[name] = seconds
+        for name, key in TIMING_NAMES.items():
+            seconds = getattr(report.timings, name)
+            if seconds:
+                msg.timings[key] = seconds
     except (TypeError, ValueError) as e:
         raise WireError(
             f"report of step {report.step} from rank {report.rank} does not fit its message: {e}"
@@ -171,49 +177,45 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
 
 
 def report_from_proto(msg: pb.ReportMsg) -> Report:
-    """The report the coordinator decides from."""
+    """The report the coordinator decides from; a timing the rank did not send is 0.0, one it does not
+    know of is dropped."""
     return Report(
         step=msg.step,
         rank=msg.rank,
-        sampled=[Sampled(s.request_id, s.token_id) for s in msg.sampled],
-        probes=[ProbeAnswer(p.request_id, p.matched_pages, p.pinned_pages) for p in msg.probes],
-        pools=[PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned) for p in msg.pools],
+        sampled=tuple(Sampled(s.request_id, s.token_id) for s in msg.sampled),
+        probes=tuple(ProbeAnswer(p.request_id, p.matched_pages, p.pinned_pages) for p in msg.probes),
+        pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned) for p in msg.pools),
         error=msg.error,
-        timings=dict(msg.timings),
+        timings=Timings(**{name: msg.timings.get(key, 0.0) for name, key in TIMING_NAMES.items()}),
     )
 
 
-def info_to_proto(info: Mapping[str, Any], last_step: int = -1) -> pb.RankInfo:
-    """A rank's `Engine.info()` (keys INFO_FIELDS; `pools` maps pool name to total pages) as RankInfo."""
-    missing = [k for k in INFO_FIELDS if k not in info]
-    if missing:
-        raise WireError(
-            f"engine info lacks {', '.join(missing)} (has {', '.join(sorted(info)) or 'nothing'})"
-        )
+def info_to_proto(info: RankInfo) -> pb.RankInfo:
+    """What a rank serves, as the Info call answers it."""
     try:
         return pb.RankInfo(
-            rank=info["rank"],
-            world_size=info["world_size"],
-            model_id=info["model_id"],
-            page_size=info["page_size"],
-            pool_totals=dict(info["pools"]),
-            max_model_len=info["max_model_len"],
-            vocab_size=info["vocab_size"],
-            last_step=last_step,
+            rank=info.rank,
+            world_size=info.world_size,
+            model_id=info.model_id,
+            page_size=info.page_size,
+            pool_totals=info.pool_totals,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            last_step=info.last_step,
         )
     except (TypeError, ValueError) as e:
-        raise WireError(f"engine info does not fit RankInfo: {e}") from e
+        raise WireError(f"rank info does not fit RankInfo: {e}") from e
 
 
-def info_from_proto(msg: pb.RankInfo) -> dict[str, Any]:
-    """RankInfo back to the engine's dict, plus `last_step` (-1 before the rank's first step)."""
-    return {
-        "rank": msg.rank,
-        "world_size": msg.world_size,
-        "model_id": msg.model_id,
-        "page_size": msg.page_size,
-        "pools": dict(msg.pool_totals),
-        "max_model_len": msg.max_model_len,
-        "vocab_size": msg.vocab_size,
-        "last_step": msg.last_step,
-    }
+def info_from_proto(msg: pb.RankInfo) -> RankInfo:
+    """The Info answer as the coordinator checks it (`last_step` -1: the rank has carried out no step)."""
+    return RankInfo(
+        rank=msg.rank,
+        world_size=msg.world_size,
+        model_id=msg.model_id,
+        page_size=msg.page_size,
+        pools=tuple(msg.pool_totals.items()),
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        last_step=msg.last_step,
+    )

@@ -12,19 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lockstep.kv.paging import growth_pages, pages_for
 from lockstep.steps import ProbeAnswer, Report
 
 DEFERRAL_REASONS = ("pages", "max_num_seqs", "token_budget", "probe_pending")
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages holding positions [0, num_tokens): page i covers [i * page_size, (i + 1) * page_size)."""
-    return -(-num_tokens // page_size)
-
-
-def growth_pages(num_computed: int, num_tokens: int, page_size: int) -> int:
-    """New pages a sequence holding num_computed positions needs to compute num_tokens more."""
-    return pages_for(num_computed + num_tokens, page_size) - pages_for(num_computed, page_size)
 
 
 def allocatable_pages(report: Report) -> int:

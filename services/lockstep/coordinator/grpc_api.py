@@ -1,71 +1,97 @@
-"""The gRPC inference service: the same validation and token stream as the HTTP API, over protobuf."""
+"""The gRPC inference service: the same validation and token stream as the HTTP API, over protobuf.
+
+The request's proto fields become the same typed `SamplingFields` the HTTP API fills from JSON, and
+generation.py validates them; nothing here knows about the HTTP API.
+"""
 
 from __future__ import annotations
 
 import uuid
+from contextlib import aclosing
 
 import grpc
 
-from lockstep.coordinator.openai_api import ApiError, OpenAIServer, collect
+from lockstep.coordinator.generation import (
+    ApiError,
+    Frontend,
+    GenerateSpec,
+    SamplingFields,
+    build_spec,
+    check_model,
+    collect,
+    generate_text,
+)
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
            503: grpc.StatusCode.UNAVAILABLE}
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+
+
+def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
+    """The request's sampling fields; an optional field left unset is None (the default), as in JSON."""
+    given = {name: getattr(req, name) for name in _OPTIONAL if req.HasField(name)}
+    return SamplingFields(stop=list(req.stop), **given)
+
+
+def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tuple[GenerateSpec, str]:
+    """The validated spec of a request and its id (the caller's, or a new one)."""
+    check_model(frontend, req.model or None)
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        prompt_ids = frontend.tokenizer.encode(req.text)
+    elif which == "token_ids":
+        prompt_ids = list(req.token_ids.ids)
+    else:
+        raise ApiError(400, "the request has no prompt (text or token_ids)")
+    return build_spec(frontend, sampling_fields(req), prompt_ids), req.request_id or ("cmpl-" + uuid.uuid4().hex)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, api: OpenAIServer) -> None:
-        self.api = api
+    """Generate (a stream of text pieces) and Complete (one answer) over the coordinator."""
 
-    def _request(self, req: inference_pb2.GenerateRequest):
-        fe = self.api.frontend
-        if req.model and req.model != fe.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{fe.model_name}'")
-        body: dict = {"stop": list(req.stop)}
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-            if req.HasField(name):
-                body[name] = getattr(req, name)
-        which = req.WhichOneof("prompt")
-        if which == "text":
-            prompt_ids = fe.tokenizer.encode(req.text)
-        elif which == "token_ids":
-            prompt_ids = list(req.token_ids.ids)
-        else:
-            raise ApiError(400, "the request has no prompt (text or token_ids)")
-        return self.api.spec(body, prompt_ids), req.request_id or ("cmpl-" + uuid.uuid4().hex)
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
-    async def Generate(self, request, context):
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """One message per text piece; the last one carries the finish reason."""
         try:
-            spec, rid = self._request(request)
+            spec, rid = request_spec(self.frontend, request)
             first = True
-            async for text, ids, reason, _ in self.api.texts(rid, spec):
-                msg = inference_pb2.GenerateResponse(request_id=rid, text=text, token_ids=ids,
-                                                     finish_reason=reason or "")
-                if first and request.return_token_ids:
-                    msg.prompt_token_ids.extend(spec.prompt_ids)
-                first = False
-                yield msg
+            async with aclosing(generate_text(self.frontend, rid, spec)) as pieces:
+                async for piece in pieces:
+                    msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text, token_ids=piece.token_ids,
+                                                         finish_reason=piece.finish_reason or "")
+                    if first and request.return_token_ids:
+                        msg.prompt_token_ids.extend(spec.prompt_ids)
+                    first = False
+                    yield msg
         except ApiError as exc:
             await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
 
-    async def Complete(self, request, context):
+    async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> inference_pb2.GenerateResponse:
+        """The whole answer, with its usage."""
         try:
-            spec, rid = self._request(request)
-            text, ids, reason, cached = await collect(self.api.texts(rid, spec))
+            spec, rid = request_spec(self.frontend, request)
+            done = await collect(generate_text(self.frontend, rid, spec))
         except ApiError as exc:
             await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
-        usage = inference_pb2.Usage(prompt_tokens=len(spec.prompt_ids), completion_tokens=len(ids),
-                                    total_tokens=len(spec.prompt_ids) + len(ids), cached_tokens=cached)
-        msg = inference_pb2.GenerateResponse(request_id=rid, text=text, finish_reason=reason or "", usage=usage)
+        prompt = len(spec.prompt_ids)
+        usage = inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(done.token_ids),
+                                    total_tokens=prompt + len(done.token_ids), cached_tokens=done.cached_tokens)
+        msg = inference_pb2.GenerateResponse(request_id=rid, text=done.text, finish_reason=done.finish_reason or "",
+                                             usage=usage)
         if request.return_token_ids:
-            msg.token_ids.extend(ids)
+            msg.token_ids.extend(done.token_ids)
             msg.prompt_token_ids.extend(spec.prompt_ids)
         return msg
 
 
-async def start_grpc(api: OpenAIServer, host: str, port: int) -> grpc.aio.Server:
+async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
+    """Serve the inference service for `frontend` (the coordinator)."""
     server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(api), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(frontend), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server

@@ -6,16 +6,21 @@ coordinators in one process and `/metrics` shows only this coordinator's series.
 
 from __future__ import annotations
 
+import copy
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lockstep.coordinator.scheduler import SchedulerStats
 from lockstep.steps import PoolState
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ROUTING_REASONS = ("least_loaded", "replay")  # a new request; a request moved off a group that went down
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
     def __init__(self) -> None:
+        self._exported: dict[str, SchedulerStats] = {}  # per group: the totals already counted
         r = self.registry = CollectorRegistry()
         self.agreement_wait = Histogram(
             "lockstep_agreement_wait_seconds", "Time waiting for every rank's answer",
@@ -80,6 +85,18 @@ class Metrics:
         )
         self.rank_up = Gauge("lockstep_rank_up", "1 while a rank's stream is up", ["group", "rank"], registry=r)
         self.rebalances = Counter("lockstep_rebalances_total", "KV pool rebalances", ["group"], registry=r)
+        self.requests_migrated = Counter(
+            "lockstep_requests_migrated_total", "Running requests moved from this group to another", ["group"],
+            registry=r,
+        )
+        self.requests_dropped = Counter(
+            "lockstep_requests_dropped_total", "Accepted requests ended with an error because their group went "
+            "down and none could take them (should stay 0)", ["group"], registry=r,
+        )
+        self.routing_decisions = Counter(
+            "lockstep_routing_decisions_total", "Requests routed to this group, by why it was chosen",
+            ["group", "reason"], registry=r,
+        )
 
     def init_group(self, group: str, ranks: int) -> None:
         """Create every series of a group at zero, so dashboards and alerts see it before traffic."""
@@ -95,8 +112,11 @@ class Metrics:
             self.requests.labels(group, state).set(0)
         for hist in (self.ttft, self.itl, self.request_duration, self.step_duration):
             hist.labels(group)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances):
+        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances,
+                        self.requests_migrated, self.requests_dropped):
             counter.labels(group)
+        for reason in ROUTING_REASONS:
+            self.routing_decisions.labels(group, reason)
         for rank in range(ranks):
             self.rank_up.labels(group, str(rank)).set(0)
             self.prefix_offered.labels(group, str(rank))
@@ -110,6 +130,22 @@ class Metrics:
                 free_by_pool.setdefault(p.pool, []).append(p.free)
         for pool, frees in free_by_pool.items():
             self.free_page_skew.labels(group, pool).set(max(frees) - min(frees))
+
+    def forget_scheduler(self, group: str) -> None:
+        """A new scheduler for the group starts its totals at zero."""
+        self._exported.pop(group, None)
+
+    def export_scheduler_stats(self, group: str, stats: SchedulerStats) -> None:
+        """The scheduler keeps running totals; the Prometheus counters take what is new since the last call."""
+        last = self._exported.get(group) or SchedulerStats(prefix_offered_pages=[0] * len(stats.prefix_offered_pages))
+        self.preemptions.labels(group).inc(stats.preemptions - last.preemptions)
+        self.prefix_agreed.labels(group).inc(stats.prefix_agreed_pages - last.prefix_agreed_pages)
+        self.prefix_hit_tokens.labels(group).inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)
+        for rank, (now, before) in enumerate(zip(stats.prefix_offered_pages, last.prefix_offered_pages, strict=True)):
+            self.prefix_offered.labels(group, str(rank)).inc(now - before)
+        for reason, n in stats.deferred.items():
+            self.admission_deferred.labels(group, reason).inc(n - last.deferred[reason])
+        self._exported[group] = copy.deepcopy(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

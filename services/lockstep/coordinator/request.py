@@ -16,9 +16,17 @@ from dataclasses import replace
 from lockstep.kv.page_keys import page_keys
 from lockstep.steps import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
 SEED_MASK = (1 << 63) - 1
 GREEDY = SamplingParams()
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; a str, so it is OpenAI's `finish_reason` as it is (JSON, protobuf, ==)."""
+
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"  # the client went away, or a stop string ended it at the API
+    ERROR = "error"  # it could not be served (see Request.error)
 
 
 class RequestStatus(enum.Enum):
@@ -86,7 +94,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed = 0
         self.cached_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error = ""
         self.num_preemptions = 0
         self._keys: list[bytes] = []
@@ -118,20 +126,24 @@ class Request:
         """Tokens [start, end) of prompt + generated."""
         return (self.prompt_token_ids + tuple(self.generated))[start:end]
 
-    def append(self, token_id: int) -> str | None:
-        """Record a sampled token; returns "stop" or "length" when it ends the request."""
+    def append(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; returns STOP or LENGTH when it ends the request."""
         if type(token_id) is not int or token_id < 0:
             raise ValueError(f"request {self.request_id}: sampled token {token_id!r} is not a token id")
         self.generated.append(token_id)
         if token_id in self.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(self.generated) >= self.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def finish(self, reason: str, error: str = "") -> None:
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
+    def finish(self, reason: FinishReason | str, error: str = "") -> None:
+        """End the request; `reason` is a FinishReason or its value."""
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            choices = tuple(r.value for r in FinishReason)
+            raise ValueError(f"finish reason must be one of {choices}, got {reason!r}") from None
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

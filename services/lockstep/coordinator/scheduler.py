@@ -25,24 +25,11 @@ from dataclasses import dataclass, field, replace
 
 from lockstep.coordinator.admission import AdmissionControl, Decision, pages_for
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
-from lockstep.coordinator.request import Request, RequestStatus
+from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
 
-TOKEN = "token"
-FINISHED = "finished"
-PREEMPTED = "preempted"
-
-
-@dataclass(frozen=True)
-class Event:
-    """What happened to one request: a new token, its end (reason, error text) or a preemption."""
-
-    request_id: str
-    kind: str
-    token_id: int | None = None
-    finish_reason: str | None = None
-    error: str = ""
-    retriable: bool = True  # False: the request itself can never be served (the client must change it)
+TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
 
 
 @dataclass
@@ -136,7 +123,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return []
-        return [self._finish(req, "abort")]
+        return [self._finish(req, FinishReason.ABORT)]
 
     def requeue_all(self) -> list[Event]:
         """The group went down but keeps its requests: every running one goes back to the front of the
@@ -304,7 +291,7 @@ class Scheduler:
             if need > control.largest_request_pages():
                 event = self._finish(
                     req,
-                    "error",
+                    FinishReason.ERROR,
                     f"request {req.request_id} needs up to {need} KV pages"
                     f" but the smallest rank pool holds {control.largest_request_pages()}",
                 )
@@ -401,7 +388,7 @@ class Scheduler:
         for rid in admitted:
             req = self.requests.get(rid)
             if req is not None:
-                events.append(self._finish(req, "error", message))
+                events.append(self._finish(req, FinishReason.ERROR, message))
         if len(failed) == len(reports) and self._refused_in_a_row < 2:
             return  # nothing ran anywhere: plan the rest again as it was, once; twice means they disagree
         for chunk in plan.batch:
@@ -429,14 +416,14 @@ class Scheduler:
                 continue
             token = sampled.get(req.request_id)
             if token is None:
-                events.append(self._finish(req, "error", f"no rank sampled a token at step {plan.step}"))
+                events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(token)
             events.append(Event(req.request_id, TOKEN, token_id=token))
             if reason is not None:
                 events.append(self._finish(req, reason))
 
-    def _finish(self, req: Request, reason: str, error: str = "") -> Event:
+    def _finish(self, req: Request, reason: FinishReason, error: str = "") -> Event:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._releases.append(req.request_id)

@@ -9,26 +9,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from lockstep.coordinator.config import CoordinatorConfig
+from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.group import GroupDown, GroupRunner
 from lockstep.coordinator.metrics import Metrics
-from lockstep.coordinator.openai_api import ApiError, GenerateSpec, TokenEvent
-from lockstep.coordinator.request import Request
+from lockstep.coordinator.request import FinishReason, Request
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.page_keys import key_salt
+from lockstep.steps import RankInfo
 from lockstep.tokenizer import Tokenizer
 
 log = logging.getLogger("lockstep.coordinator")
-
-
-@dataclass
-class SchedulerLimits:
-    page_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    prefix_caching: bool = True
 
 
 @dataclass
@@ -44,39 +39,25 @@ class _Live:
 
 
 class Coordinator:
-    def __init__(
-        self,
-        groups: dict[str, list[str]],
-        tokenizer: Tokenizer,
-        model_name: str,
-        limits: SchedulerLimits,
-        max_model_len: int,
-        stall_threshold: float = 5.0,
-        dead_rank_timeout: float = 30.0,
-        replay_timeout: float = 0.0,
-    ) -> None:
-        self.replay_timeout = replay_timeout
-        self._parked: dict[str, tuple[Request, str]] = {}
+    """Every group of one deployment behind one API: routing, replay, and each request's event queue."""
+
+    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> None:
+        self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.limits = limits
         self.max_model_len = max_model_len
         self.metrics = Metrics()
-        self.group_addresses = groups
-        self.stall_threshold = stall_threshold
-        self.dead_rank_timeout = dead_rank_timeout
         self.groups: dict[str, GroupRunner] = {}
         self.live: dict[str, _Live] = {}
-        self._seen: dict[str, dict] = {}
+        self._parked: dict[str, tuple[Request, str]] = {}
 
     def start(self) -> None:
         """Start every group's loop; each connects on its own, so one group that is down never holds
         up the others (and comes back by itself once its ranks are whole again)."""
-        for name, addresses in self.group_addresses.items():
-            runner = GroupRunner(name, addresses, self.metrics, lambda events, g=name: self._dispatch(g, events),
-                                 self._replay, self.stall_threshold, self.dead_rank_timeout,
-                                 on_up=self._group_up)
-            runner.start(lambda infos, g=name: self._make_scheduler(g, infos))
+        for name, addresses in self.config.groups.items():
+            runner = GroupRunner(name, list(addresses), self.metrics, self._dispatch, self._replay, self._group_up,
+                                 self.config.stall_threshold, self.config.dead_rank_timeout)
+            runner.start(self._make_scheduler)
             self.groups[name] = runner
 
     async def wait_ready(self) -> None:
@@ -88,22 +69,21 @@ class Coordinator:
             for w in waits:
                 w.cancel()
 
-    def _make_scheduler(self, group: str, infos: list) -> Scheduler:
+    def _make_scheduler(self, infos: list[RankInfo]) -> Scheduler:
+        """A fresh scheduler for a group that (re)formed; ValueError when its ranks cannot be one group."""
+        cfg = self.config
         for r, info in enumerate(infos):
-            if info.page_size != self.limits.page_size:
-                raise ValueError(f"rank {r} uses page size {info.page_size}, the coordinator {self.limits.page_size}")
+            if info.page_size != cfg.page_size:
+                raise ValueError(f"rank {r} uses page size {info.page_size}, the coordinator {cfg.page_size}")
             if info.model_id != infos[0].model_id:
                 raise ValueError(f"rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
-        self._seen.pop(group, None)
-        totals = [n for i in infos for n in i.pool_totals.values()]
-        self.groups[group].capacity_tokens = min(totals) * self.limits.page_size if totals else 0
         return Scheduler(
-            page_size=self.limits.page_size,
-            salt=key_salt(infos[0].model_id, self.limits.page_size),
-            max_num_batched_tokens=self.limits.max_num_batched_tokens,
-            max_num_seqs=self.limits.max_num_seqs,
+            page_size=cfg.page_size,
+            salt=key_salt(infos[0].model_id, cfg.page_size),
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
             ranks=len(infos),
-            prefix_caching=self.limits.prefix_caching,
+            prefix_caching=cfg.prefix_caching,
             max_model_len=min([self.max_model_len, *(i.max_model_len for i in infos)]),
         )
 
@@ -115,9 +95,9 @@ class Coordinator:
 
     def metrics_text(self) -> bytes:
         for name, g in self.groups.items():
-            if g.scheduler is not None:
-                self.metrics.requests.labels(name, "waiting").set(g.scheduler.num_waiting)
-                self.metrics.requests.labels(name, "running").set(g.scheduler.num_running)
+            waiting, running = g.counts()
+            self.metrics.requests.labels(name, "waiting").set(waiting)
+            self.metrics.requests.labels(name, "running").set(running)
         return self.metrics.render()
 
     async def reset_prefix_cache(self, rank: int | None) -> None:
@@ -126,6 +106,17 @@ class Coordinator:
         except GroupDown as exc:
             raise ApiError(503, f"the flush did not complete: {exc}", code="group_unavailable",
                            err_type="service_unavailable") from exc
+
+    def step_log(self, group: str | None, since: int) -> dict:
+        """A group's step timings from entry `since` of its log (None: the first group), for GET /admin/steps:
+        where a step's time goes (plan, send, agreement wait, apply, the slowest rank's engine). The log
+        restarts when the group re-forms, so `next` may fall below a caller's `since`. KeyError: no such group."""
+        name = group if group is not None else next(iter(self.groups), None)
+        runner = self.groups.get(name) if name is not None else None
+        if runner is None:
+            raise KeyError(group)
+        steps, next_index = runner.step_log(since)
+        return {"group": name, "steps": [list(t) for t in steps], "next": next_index}
 
     def _replay(self, group: str, requests: list[Request], reason: str) -> None:
         """A group went down: its requests go on in the least-loaded group that is up, recomputed from
@@ -137,33 +128,35 @@ class Coordinator:
                 continue
             if self._move(req, exclude=group):
                 continue
-            if self.replay_timeout > 0:
+            if self.config.replay_timeout > 0:
                 self._parked[req.request_id] = (req, reason)
-                asyncio.get_running_loop().call_later(self.replay_timeout, self._expire, req.request_id)
+                asyncio.get_running_loop().call_later(self.config.replay_timeout, self._expire, req.request_id)
             else:
                 self._fail(req, reason)
 
     def _move(self, req: Request, exclude: str = "") -> bool:
         """Hand the request to the least-loaded group that is up; False when there is none."""
         live = self.live[req.request_id]
-        up = [g for g in self.groups.values() if g.up and g.name != exclude and g.scheduler is not None]
+        up = [g for g in self.groups.values() if g.serving and g.name != exclude]
         if not up:
             return False
-        target = min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
+        target = min(up, key=lambda g: g.load)
         try:
-            target.scheduler.adopt(req)
+            target.adopt(req)
         except ValueError as exc:
             self._fail(req, str(exc))
             return True
         log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
                     target.name, len(req.generated))
+        self.metrics.requests_migrated.labels(live.group).inc()
+        self.metrics.routing_decisions.labels(target.name, "replay").inc()
         live.group = target.name
-        target.kick()
         return True
 
     def _fail(self, req: Request, reason: str) -> None:
         live = self.live.get(req.request_id)
         if live is not None:
+            self.metrics.requests_dropped.labels(live.group).inc()
             live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=reason))
 
     def _group_up(self, group: str) -> None:
@@ -178,17 +171,17 @@ class Coordinator:
         parked = self._parked.pop(request_id, None)
         if parked is not None:
             req, reason = parked
-            self._fail(req, f"{reason}; no group came back within {self.replay_timeout:.0f} s")
+            self._fail(req, f"{reason}; no group came back within {self.config.replay_timeout:.0f} s")
 
     def _pick_group(self) -> GroupRunner:
-        up = [g for g in self.groups.values() if g.up and g.scheduler is not None]
+        up = [g for g in self.groups.values() if g.serving]
         if not up:
             reasons = "; ".join(g.down_reason for g in self.groups.values()) or "no group is up"
             raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
                            err_type="service_unavailable")
-        return min(up, key=lambda g: g.scheduler.num_waiting + g.scheduler.num_running)
+        return min(up, key=lambda g: g.load)
 
-    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
         """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
         return its events; closing the iterator early aborts it and frees its pages."""
         if request_id in self.live:
@@ -200,14 +193,14 @@ class Coordinator:
             max_tokens = max(1, min(max_tokens, group.capacity_tokens - len(spec.prompt_ids)))
         try:
             request = Request(request_id, spec.prompt_ids, spec.sampling, max_tokens, spec.stop_token_ids)
-            group.scheduler.add(request)
+            group.submit(request)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids))
-        group.kick()
+        self.metrics.routing_decisions.labels(group.name, "least_loaded").inc()
         return self._events(request_id)
 
-    async def _events(self, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request_id: str) -> AsyncGenerator[TokenEvent, None]:
         live = self.live[request_id]
         finished = False
         try:
@@ -220,20 +213,16 @@ class Coordinator:
         finally:
             self.live.pop(request_id, None)
             runner = self.groups.get(live.group)
-            if not finished and runner is not None and runner.scheduler is not None:
-                runner.scheduler.abort(request_id)
-                runner.kick()
+            if not finished and runner is not None:
+                runner.abort(request_id)
 
-    def _dispatch(self, group: str, events: list) -> None:
+    def _dispatch(self, group: str, events: list[Event]) -> None:
         now = time.monotonic()
-        runner = self.groups.get(group)
-        if runner is not None:
-            self._export_stats(group, runner)
         for ev in events:
             live = self.live.get(ev.request_id)
             if live is None:
                 continue
-            if ev.kind == "token":
+            if ev.kind == EventKind.TOKEN:
                 cached = live.request.cached_tokens
                 if live.last_token_at is None:
                     self.metrics.ttft.labels(group).observe(now - live.arrived)
@@ -242,32 +231,15 @@ class Coordinator:
                 live.last_token_at = now
                 self.metrics.generation_tokens.labels(group).inc()
                 live.queue.put_nowait(TokenEvent(ev.token_id, None, cached))
-            elif ev.kind == "finished":
+            elif ev.kind == EventKind.FINISHED:
                 cached = live.request.cached_tokens
-                if ev.finish_reason == "error":
+                if ev.finish_reason == FinishReason.ERROR:
                     status = 503 if ev.retriable else 400
                     live.queue.put_nowait(TokenEvent(None, None, cached, error=ev.error, status=status))
                 else:
                     live.queue.put_nowait(TokenEvent(None, ev.finish_reason, cached))
                 self.metrics.request_duration.labels(group).observe(now - live.arrived)
                 self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
-
-    def _export_stats(self, group: str, runner: GroupRunner) -> None:
-        """The scheduler keeps running totals; Prometheus counters take the increments."""
-        stats = runner.scheduler.stats
-        seen = self._seen.setdefault(group, {"preemptions": 0, "agreed": 0, "hits": 0, "offered": {},
-                                             "deferred": {}})
-        m = self.metrics
-        m.preemptions.labels(group).inc(stats.preemptions - seen["preemptions"])
-        m.prefix_agreed.labels(group).inc(stats.prefix_agreed_pages - seen["agreed"])
-        m.prefix_hit_tokens.labels(group).inc(stats.prefix_hit_tokens - seen["hits"])
-        for rank, offered in enumerate(stats.prefix_offered_pages):
-            m.prefix_offered.labels(group, str(rank)).inc(offered - seen["offered"].get(rank, 0))
-            seen["offered"][rank] = offered
-        for reason, n in stats.deferred.items():
-            m.admission_deferred.labels(group, reason).inc(n - seen["deferred"].get(reason, 0))
-            seen["deferred"][reason] = n
-        seen.update(preemptions=stats.preemptions, agreed=stats.prefix_agreed_pages, hits=stats.prefix_hit_tokens)
 
     async def close(self) -> None:
         for g in self.groups.values():

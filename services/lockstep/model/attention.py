@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lockstep.kv.paging import pages_for
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -57,16 +59,7 @@ class AttentionBatch:
         offsets = [0]
         starts, lens, tables, singles = [], [], [], []
         for i, (start, n, table) in enumerate(spans):
-            table = tuple(int(p) for p in table)
-            if start < 0 or n < 1:
-                raise ValueError(f"sequence {i}: start must be >= 0 and n >= 1, got start={start} n={n}")
-            needed = -(-(start + n) // page_size)
-            if len(table) < needed:
-                raise ValueError(
-                    f"sequence {i}: page table has {len(table)} pages but positions [0, {start + n}) "
-                    f"need {needed} of {page_size} tokens")
-            if any(p < 0 for p in table[:needed]):
-                raise ValueError(f"sequence {i}: negative page id in its page table {table[:needed]}")
+            table = _span_table(i, start, n, table, page_size)
             if n == 1:
                 singles.append(i)
                 positions.append(start)
@@ -78,7 +71,7 @@ class AttentionBatch:
             offsets.append(offsets[-1] + n)
             starts.append(start)
             lens.append(n)
-            tables.append(table[:needed])
+            tables.append(table)
         width = max(len(t) for t in tables)
         padded = [list(t) + [-1] * (width - len(t)) for t in tables]
 
@@ -112,7 +105,7 @@ class AttentionBatch:
         if groups is None:
             ps = self.page_size
             lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
-            pages = {i: -(-(self.starts[i] + 1) // ps) - lo[i] // ps for i in self.single_seqs}
+            pages = {i: pages_for(self.starts[i] + 1, ps) - lo[i] // ps for i in self.single_seqs}
             members: list[list[int]] = []
             total = 0
             for i in sorted(self.single_seqs, key=lambda i: -pages[i]):
@@ -125,6 +118,22 @@ class AttentionBatch:
             groups = tuple(_SingleGather.build(self, sorted(m), window) for m in members)
             self._gathers[window] = groups
         return groups
+
+
+def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """Sequence i's pages covering positions [0, start + n), checked: a bad table must fail here, not index
+    another sequence's k/v."""
+    if start < 0 or n < 1:
+        raise ValueError(f"sequence {i}: start must be >= 0 and n >= 1, got start={start} n={n}")
+    needed = pages_for(start + n, page_size)
+    table = tuple(int(p) for p in table)
+    if len(table) < needed:
+        raise ValueError(
+            f"sequence {i}: page table has {len(table)} pages but positions [0, {start + n}) "
+            f"need {needed} of {page_size} tokens")
+    if any(p < 0 for p in table[:needed]):
+        raise ValueError(f"sequence {i}: negative page id in its page table {table[:needed]}")
+    return table[:needed]
 
 
 @dataclass(frozen=True)

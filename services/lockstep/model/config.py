@@ -55,6 +55,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    name_or_path: str = ""  # `_name_or_path`: where the checkpoint came from, the served name's default
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -145,6 +146,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            name_or_path=str(d.get("_name_or_path") or ""),
         )
 
     @classmethod

@@ -16,9 +16,10 @@ from lockstep.parallel.sharding import check_tp_size, local_kv_heads
 
 @dataclass
 class KVCache:
+    """k[layer] and v[layer]: [num_pages, page_size, kv_heads, head_dim] each."""
+
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    num_pages: int
     page_size: int
 
     @staticmethod
@@ -57,7 +58,11 @@ class KVCache:
         shape = (num_pages, page_size, local_kv_heads(config, tp), config.head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        return cls(k, v, num_pages, page_size)
+        return cls(k, v, page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
 
     @property
     def kv_heads(self) -> int:
@@ -70,9 +75,3 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return len(self.k)
-
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy one page's contents on every layer (copy-on-write of a shared, partly filled page)."""
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])

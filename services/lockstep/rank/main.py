@@ -19,7 +19,9 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from lockstep.engine_config import EngineConfig
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
+from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
 
 log = logging.getLogger("lockstep.rank")
 
@@ -42,6 +44,11 @@ class RankConfig:
     prefix_caching: bool
     threads: int
 
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, rank=self.rank, world_size=self.world_size, rendezvous=self.rendezvous,
+                            page_size=self.page_size, kv_pages=self.kv_pages,
+                            kv_memory_fraction=self.kv_memory_fraction, prefix_caching=self.prefix_caching)
+
 
 class _Terminated(Exception):
     pass
@@ -54,31 +61,36 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"lockstep rank: {name} must be an integer, got {value!r}") from None
-
-
-def _env_float(env: Mapping[str, str], name: str) -> float | None:
-    value = env.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise SystemExit(f"lockstep rank: {name} must be a number, got {value!r}") from None
+SETTINGS = (
+    Setting("world_size", "--world-size", "LOCKSTEP_WORLD_SIZE", integer, 1, "ranks in the group", at_least(1)),
+    Setting("rank", "--rank", "LOCKSTEP_RANK", integer, None, "this rank (default: the pod index)", at_least(0)),
+    Setting("rendezvous", "--rendezvous", "LOCKSTEP_RENDEZVOUS", default=DEFAULT_RENDEZVOUS,
+            help="host:port of rank 0's torch.distributed store",
+            check=lambda v: "" if re.fullmatch(r".+:\d+", v) else f"must be host:port, got {v!r}"),
+    Setting("host", "--host", "LOCKSTEP_HOST", default="0.0.0.0", help="gRPC bind address"),
+    Setting("port", "--port", "LOCKSTEP_GRPC_PORT", integer, DEFAULT_PORT, "gRPC port", within(0, 65535)),
+    Setting("model", "--model", "LOCKSTEP_MODEL", default="builtin", help="checkpoint directory, or 'builtin'"),
+    Setting("page_size", "--page-size", "LOCKSTEP_PAGE_SIZE", integer, DEFAULT_PAGE_SIZE, "tokens per KV page",
+            at_least(1)),
+    Setting("kv_pages", "--kv-pages", "LOCKSTEP_KV_PAGES", integer, 0,
+            "KV pages per pool (0: use the memory fraction)", at_least(0)),
+    Setting("kv_memory_fraction", "--kv-memory-fraction", "LOCKSTEP_KV_MEMORY_FRACTION", number, None,
+            "share of free device memory for KV", within(0, 1, low_open=True)),
+    Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
+            help="turn prefix caching off", switch=True, flag_value=False),
+    Setting("threads", "--threads", "LOCKSTEP_THREADS", integer, None,
+            "torch intra-op threads (default: cores / world size)", at_least(1)),
+)
 
 
 def default_rank(env: Mapping[str, str], hostname: str) -> int | None:
     """The pod index: LOCKSTEP_POD_INDEX, else the StatefulSet hostname's ordinal (`name-g0-2` -> 2)."""
-    index = _env_int(env, "LOCKSTEP_POD_INDEX")
-    if index is not None:
-        return index
+    index = env.get("LOCKSTEP_POD_INDEX", "").strip()
+    if index:
+        try:
+            return integer(index)
+        except ValueError as exc:
+            raise SystemExit(f"lockstep rank: LOCKSTEP_POD_INDEX {exc}, got {index!r}") from None
     m = re.search(r"-(\d+)$", hostname)
     return int(m.group(1)) if m else None
 
@@ -89,100 +101,31 @@ def parse_args(
     """Flags win over env, env over defaults; exits with a message naming the bad flag or variable."""
     env = os.environ if env is None else env
     hostname = socket.gethostname() if hostname is None else hostname
-    p = argparse.ArgumentParser(
-        prog="lockstep rank", description="Serve one rank of one tensor-parallel group."
-    )
-    p.add_argument("--rank", type=int, help="this rank (default: the pod index)")
-    p.add_argument("--world-size", type=int, help="ranks in the group (default 1)")
-    p.add_argument(
-        "--rendezvous", help=f"host:port of rank 0's torch.distributed store ({DEFAULT_RENDEZVOUS})"
-    )
-    p.add_argument("--host", help="gRPC bind address (0.0.0.0)")
-    p.add_argument("--port", type=int, help=f"gRPC port ({DEFAULT_PORT})")
-    p.add_argument("--model", help="checkpoint directory, or 'builtin' (default)")
-    p.add_argument("--page-size", type=int, help=f"tokens per KV page ({DEFAULT_PAGE_SIZE})")
-    p.add_argument("--kv-pages", type=int, help="KV pages per pool (default 0: use the memory fraction)")
-    p.add_argument("--kv-memory-fraction", type=float, help="share of free device memory for KV")
-    p.add_argument("--no-prefix-caching", action="store_true", default=None, help="turn prefix caching off")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: cores / world size)")
-    a = p.parse_args(argv)
-
-    def pick(flag, name, read=None, default=None):
-        if flag is not None:
-            return flag
-        value = (read or (lambda e, n: e.get(n) or None))(env, name)
-        return default if value is None else value
-
-    world_size = pick(a.world_size, "LOCKSTEP_WORLD_SIZE", _env_int, 1)
-    if world_size < 1:
-        p.error(f"--world-size must be >= 1, got {world_size}")
-    rank = pick(a.rank, "LOCKSTEP_RANK", _env_int)
-    if rank is None:
-        rank = default_rank(env, hostname)
-    if rank is None:
+    p = argparse.ArgumentParser(prog="lockstep rank", description="Serve one rank of one tensor-parallel group.")
+    add_settings(p, SETTINGS)
+    values = resolve(p, p.parse_args(argv), SETTINGS, env)
+    world_size = values["world_size"]
+    if values["rank"] is None:
+        values["rank"] = default_rank(env, hostname)
+    if values["rank"] is None:
         if world_size > 1:
             p.error(
                 f"cannot tell this rank: give --rank, LOCKSTEP_RANK or LOCKSTEP_POD_INDEX "
                 f"(hostname {hostname!r} has no trailing -N)"
             )
-        rank = 0
-    if not 0 <= rank < world_size:
-        p.error(f"rank {rank} is outside a group of {world_size} ranks (0..{world_size - 1})")
-    rendezvous = pick(a.rendezvous, "LOCKSTEP_RENDEZVOUS", default=DEFAULT_RENDEZVOUS)
-    if not re.fullmatch(r".+:\d+", rendezvous):
-        p.error(f"--rendezvous must be host:port, got {rendezvous!r}")
-    port = pick(a.port, "LOCKSTEP_GRPC_PORT", _env_int, DEFAULT_PORT)
-    if not 0 <= port <= 65535:
-        p.error(f"--port must be 0..65535, got {port}")
-    page_size = pick(a.page_size, "LOCKSTEP_PAGE_SIZE", _env_int, DEFAULT_PAGE_SIZE)
-    if page_size < 1:
-        p.error(f"--page-size must be >= 1, got {page_size}")
-    kv_pages = pick(a.kv_pages, "LOCKSTEP_KV_PAGES", _env_int, 0)
-    if kv_pages < 0:
-        p.error(f"--kv-pages must be >= 0, got {kv_pages}")
-    fraction = pick(a.kv_memory_fraction, "LOCKSTEP_KV_MEMORY_FRACTION", _env_float)
-    if fraction is not None and not 0.0 < fraction <= 1.0:
-        p.error(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
-    if a.no_prefix_caching:
-        prefix_caching = False
-    else:
-        flag = env.get("LOCKSTEP_PREFIX_CACHING", "1").strip().lower()
-        if flag not in ("0", "1", "false", "true", "off", "on", "no", "yes", ""):
-            p.error(f"LOCKSTEP_PREFIX_CACHING must be 0 or 1, got {flag!r}")
-        prefix_caching = flag not in ("0", "false", "off", "no")
-    threads = pick(a.threads, "LOCKSTEP_THREADS", _env_int, max(1, _cores() // world_size))
-    if threads < 1:
-        p.error(f"--threads must be >= 1, got {threads}")
-    return RankConfig(
-        rank=rank,
-        world_size=world_size,
-        rendezvous=rendezvous,
-        host=pick(a.host, "LOCKSTEP_HOST", default="0.0.0.0"),
-        port=port,
-        model=pick(a.model, "LOCKSTEP_MODEL", default="builtin"),
-        page_size=page_size,
-        kv_pages=kv_pages,
-        kv_memory_fraction=fraction,
-        prefix_caching=prefix_caching,
-        threads=threads,
-    )
+        values["rank"] = 0
+    if not 0 <= values["rank"] < world_size:
+        p.error(f"rank {values['rank']} is outside a group of {world_size} ranks (0..{world_size - 1})")
+    if values["threads"] is None:
+        values["threads"] = max(1, _cores() // world_size)
+    return RankConfig(**values)
 
 
 def create_engine(cfg: RankConfig) -> StepEngine:
     """The real engine; returns once its weights are loaded and the group's collectives are formed."""
     from lockstep.engine import Engine
 
-    extra = {} if cfg.kv_memory_fraction is None else {"kv_memory_fraction": cfg.kv_memory_fraction}
-    return Engine.create(
-        model_dir=cfg.model,
-        rank=cfg.rank,
-        world_size=cfg.world_size,
-        rendezvous=cfg.rendezvous,
-        page_size=cfg.page_size,
-        kv_pages=cfg.kv_pages,
-        prefix_caching=cfg.prefix_caching,
-        **extra,
-    )
+    return Engine.create(cfg.engine_config())
 
 
 def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = create_engine) -> int:

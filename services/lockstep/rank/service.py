@@ -8,7 +8,8 @@ protocol's delivery rules live:
 - every plan gets exactly one report, even a refused one, so the coordinator's agreement wait
   always ends;
 - a plan delivered twice (a coordinator that resends after a reconnect) is answered again from
-  the last report and never executed twice: executing it twice would pin its prefixes twice;
+  the last report and never executed twice: executing it twice would pin its prefixes twice
+  (the step order and the answer to a repeat are `steps.StepGate`'s, which LocalGroup keeps too);
 - an engine exception becomes `Report.error` and the stream goes on; the coordinator decides;
 - a newer Step stream supersedes the older one, which ends ABORTED after the step it is in.
 """
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import replace
 from typing import Any, Protocol
 
 import grpc
@@ -28,13 +30,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
-from lockstep.steps import GroupBroken, Plan, Report
+from lockstep.steps import GroupBroken, Plan, RankInfo, Report, StepGate
 from lockstep.wire import WireError, info_to_proto, plan_from_proto, report_to_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RankService"].full_name
-STEP_SECONDS = "rank_step_seconds"
 MAX_MESSAGE = 64 << 20  # a plan carries a whole prefill chunk and a long prompt's probe keys
 
 
@@ -43,7 +44,7 @@ class StepEngine(Protocol):
 
     def step(self, plan: Plan) -> Report: ...
 
-    def info(self) -> dict[str, Any]: ...
+    def info(self) -> RankInfo: ...
 
 
 class _Stream:
@@ -82,10 +83,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self._streams_lock = threading.Lock()
         self._current: _Stream | None = None
         self._closed = False
-        self._last_plan: Plan | None = None
-        self._last_report: Report | None = None
+        self._gate = StepGate(rank)
         self._in_flight: int | None = None
-        self.executed = 0
 
     def attach(self, engine: StepEngine) -> None:
         """Hand over the engine once it is loaded; until then Step and Info answer UNAVAILABLE."""
@@ -97,7 +96,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         (re)connects plans the step after it, never a step the rank is already running."""
         if self._in_flight is not None:
             return self._in_flight
-        return -1 if self._last_plan is None else self._last_plan.step
+        return self._gate.last_step
 
     def close(self) -> None:
         """End every stream after the step it is in, and refuse new ones: the rank is going away."""
@@ -115,18 +114,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             return self._execute(plan)
 
     def _execute(self, plan: Plan) -> Report:
-        last = self._last_plan
-        if last is not None and plan.step == last.step:
-            if plan == last:
-                log.info(
-                    "rank %d: step %d delivered again; answering from the last report", self.rank, plan.step
-                )
-                return self._last_report
-            return self._refuse(plan, f"step {plan.step} was already carried out with a different plan")
-        if last is not None and plan.step != last.step + 1:
-            return self._refuse(
-                plan, f"out of order: expected step {last.step + 1} (or {last.step} again), got {plan.step}"
-            )
+        try:
+            return self._gate.deliver(plan, self._run, self._refuse)
+        finally:
+            self._in_flight = None  # only once the gate holds the plan as the last one carried out
+
+    def _run(self, plan: Plan) -> Report:
+        """The engine's step; an exception becomes the report's error. The report carries this call's time."""
         t0 = time.perf_counter()
         self._in_flight = plan.step
         try:
@@ -141,11 +135,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             report = Report(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
             if isinstance(e, GroupBroken) and self._on_fatal is not None:
                 self._on_fatal(str(e))
-        report.timings[STEP_SECONDS] = time.perf_counter() - t0
-        self._last_plan, self._last_report = plan, report
-        self._in_flight = None
-        self.executed += 1
-        return report
+        return replace(report, timings=replace(report.timings, rank_step_s=time.perf_counter() - t0))
 
     def _refuse(self, plan: Plan | pb.PlanMsg, why: str) -> Report:
         """Answer a plan without running it. In a group of several ranks the peers may be running it, and
@@ -157,7 +147,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     def _world_size(self) -> int:
         try:
-            return int(self._engine.info().get("world_size", 1)) if self._engine is not None else 1
+            return self._engine.info().world_size if self._engine is not None else 1
         except Exception:
             return 1
 
@@ -202,7 +192,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if self._engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is still loading its engine")
         try:
-            return info_to_proto(self._engine.info(), last_step=self.last_step)
+            return info_to_proto(replace(self._engine.info(), last_step=self.last_step))
         except Exception as e:
             context.abort(grpc.StatusCode.INTERNAL, f"rank {self.rank} cannot describe itself: {e}")
 

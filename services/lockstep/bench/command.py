@@ -1,0 +1,134 @@
+"""`lockstep bench` on the command line: flags, the two runs, the table and the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from lockstep.bench import __doc__ as bench_doc
+from lockstep.bench.in_process import run_in_process
+from lockstep.bench.report import RunResult, compare, format_table, summarize
+from lockstep.bench.served import run_served
+from lockstep.bench.tiny_model import build_tiny_model
+from lockstep.bench.workload import BenchConfig, make_workload
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory")
+    model.add_argument("--tiny", action="store_true", help="build a tiny random Llama into a temp dir "
+                       "(needs transformers)")
+    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size of both runs")
+    p.add_argument("--requests", type=_positive, default=64)
+    p.add_argument("--concurrency", type=_positive, default=16, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request")
+    p.add_argument("--min-prompt", type=_positive, default=16)
+    p.add_argument("--max-prompt", type=_positive, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--kv-pages", type=_positive, default=512, help="KV pages per rank")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--warmup", type=_non_negative, default=2, help="requests run before measuring")
+    p.add_argument("--only", choices=("served", "in-process"), help="run one side only")
+    p.add_argument("--json", type=Path, help="also write the numbers to this file")
+    p.add_argument("--log-dir", type=Path, help="keep the served processes' logs here")
+    args = p.parse_args(argv)
+    if args.min_prompt > args.max_prompt:
+        p.error(f"--min-prompt {args.min_prompt} is larger than --max-prompt {args.max_prompt}")
+    return args
+
+
+def _model_limits(model_dir: Path) -> tuple[int, int]:
+    """(token ids the prompts may use, positions) from the checkpoint's tokenizer and config."""
+    from lockstep.tokenizer import Tokenizer
+
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{model_dir} is not a checkpoint directory: it has no config.json")
+    config = json.loads(config_file.read_text())
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        raise ValueError(f"{config_file} has no integer max_position_embeddings")
+    vocab = min(Tokenizer.from_dir(model_dir).vocab_size, int(config.get("vocab_size", 1 << 31)))
+    return vocab, positions
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
+    try:
+        model_dir = build_tiny_model(scratch / "tiny") if args.tiny else args.model
+        try:
+            vocab, positions = _model_limits(model_dir)
+        except ValueError as exc:
+            print(f"lockstep bench: {exc}", file=sys.stderr)
+            return 2
+        if args.max_prompt + args.max_tokens > positions:
+            print(f"lockstep bench: --max-prompt {args.max_prompt} + --max-tokens {args.max_tokens} exceed the "
+                  f"model's {positions} positions", file=sys.stderr)
+            return 2
+        cfg = BenchConfig(tp=args.tp, page_size=args.page_size, kv_pages=args.kv_pages,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup)
+        workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
+                                 args.concurrency, vocab, args.seed)
+        log_dir = args.log_dir or scratch / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        raw: dict[str, RunResult] = {}
+        if args.only in (None, "in-process"):
+            raw["in-process"] = run_in_process(model_dir, workload, cfg)
+        if args.only in (None, "served"):
+            raw["served"] = run_served(model_dir, workload, cfg, log_dir)
+        runs = [summarize(raw[name], workload) for name in ("served", "in-process") if name in raw]
+        report = {
+            "command": "lockstep bench " + " ".join(argv),
+            "model": "tiny" if args.tiny else str(model_dir),
+            "workload": {"requests": args.requests, "min_prompt": args.min_prompt, "max_prompt": args.max_prompt,
+                         "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed},
+            "config": asdict(cfg),
+            "cpus": os.cpu_count(),
+            "runs": runs,
+        }
+        if len(raw) == 2:
+            report["comparison"] = compare(runs[0], runs[1], raw["served"], raw["in-process"])
+        print(format_table(report))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0 if all(r["completed"] == r["requests"] for r in runs) else 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

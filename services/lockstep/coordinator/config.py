@@ -1,0 +1,102 @@
+"""The coordinator's configuration: one object, validated once, read from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
+
+PORT = within(0, 65535)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything the coordinator of one or more groups needs besides the model's own files."""
+
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    model: str = "builtin"
+    served_model_name: str = ""
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    page_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    stall_threshold: float = 5.0
+    dead_rank_timeout: float = 30.0
+    replay_timeout: float = 0.0
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
+            raise ValueError("stall_threshold and dead_rank_timeout must be > 0 and replay_timeout >= 0")
+        for name, addresses in self.groups.items():
+            if not name or not addresses:
+                raise ValueError(f"group {name!r} needs a name and at least one rank address")
+
+
+SETTINGS = (
+    Setting("model", "--model", "LOCKSTEP_MODEL", default="builtin",
+            help="checkpoint directory, or 'builtin' (the coordinator reads only its config and tokenizer)"),
+    Setting("served_model_name", "--served-model-name", "LOCKSTEP_SERVED_MODEL_NAME", default="",
+            help="the name in /v1/models (default: the model directory's name)"),
+    Setting("host", "--host", "LOCKSTEP_HOST", default="0.0.0.0", help="bind address"),
+    Setting("http_port", "--http-port", "LOCKSTEP_HTTP_PORT", integer, 8000, "HTTP port", PORT),
+    Setting("grpc_port", "--grpc-port", "LOCKSTEP_GRPC_PORT", integer, 8001, "gRPC inference port", PORT),
+)
+SCHEDULING = (
+    Setting("page_size", "--page-size", "LOCKSTEP_PAGE_SIZE", integer, 16, "tokens per KV page", at_least(1)),
+    Setting("max_num_batched_tokens", "--max-num-batched-tokens", "LOCKSTEP_MAX_BATCHED_TOKENS", integer, 512,
+            "token budget of one step", at_least(1)),
+    Setting("max_num_seqs", "--max-num-seqs", "LOCKSTEP_MAX_NUM_SEQS", integer, 64,
+            "running requests per group", at_least(1)),
+    Setting("stall_threshold", "--stall-threshold", "LOCKSTEP_STALL_THRESHOLD_SECONDS", number, 5.0,
+            "seconds after which an agreement wait counts as stalled", within(0, 86400, low_open=True)),
+    Setting("dead_rank_timeout", "--dead-rank-timeout", "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS", number, 30.0,
+            "seconds after which a silent rank is dead", within(0, 86400, low_open=True)),
+    Setting("replay_timeout", "--replay-timeout", "LOCKSTEP_REPLAY_TIMEOUT_SECONDS", number, 0.0,
+            "how long the requests of a group that went down wait for a group to serve them "
+            "(0: 503 at once when no other group is up)", within(0, 86400)),
+    Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
+            help="turn prefix caching off", switch=True, flag_value=False),
+)
+
+
+def parse_groups(items: list[str]) -> dict[str, tuple[str, ...]]:
+    """`g0=host:port,host:port` items (or one `LOCKSTEP_GROUPS` string joined by ';') -> name -> addresses."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for item in items:
+        for part in filter(None, (p.strip() for p in item.split(";"))):
+            name, sep, addrs = part.partition("=")
+            addresses = tuple(a.strip() for a in addrs.split(",") if a.strip())
+            if not sep or not name.strip() or not addresses:
+                raise ValueError(f"a group is NAME=HOST:PORT[,HOST:PORT...], got {part!r}")
+            groups[name.strip()] = addresses
+    if not groups:
+        raise ValueError("no group given: pass --group g0=HOST:PORT,... or set LOCKSTEP_GROUPS")
+    return groups
+
+
+def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
+    """`lockstep coordinator`'s flags and environment; exits with a message naming what is wrong."""
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog="lockstep coordinator",
+                                description="Connect to every rank of every group, then serve HTTP, gRPC "
+                                            "and /metrics.")
+    p.add_argument("--group", action="append", default=[],
+                   help="NAME=HOST:PORT,HOST:PORT (ranks in order; repeatable; env LOCKSTEP_GROUPS, ';'-joined)")
+    add_settings(p, SETTINGS + SCHEDULING)
+    args = p.parse_args(argv)
+    values = resolve(p, args, SETTINGS + SCHEDULING, env)
+    try:
+        config = CoordinatorConfig(groups=parse_groups(args.group or [env.get("LOCKSTEP_GROUPS", "")]), **values)
+    except ValueError as exc:
+        p.error(str(exc))
+    return config

@@ -1,0 +1,28 @@
+"""What the scheduler tells the service about a request after a step: a token, its end, a preemption."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from lockstep.coordinator.request import FinishReason
+
+
+class EventKind(enum.StrEnum):
+    """What an Event reports; a str, so it compares equal to its value."""
+
+    TOKEN = "token"
+    FINISHED = "finished"
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What happened to one request: a new token, its end (reason, error text) or a preemption."""
+
+    request_id: str
+    kind: EventKind
+    token_id: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    retriable: bool = True  # False: the request itself can never be served (the client must change it)

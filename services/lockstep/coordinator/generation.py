@@ -1,0 +1,288 @@
+"""What a generation request is, whichever protocol it came in on.
+
+The HTTP API (openai_api.py) and the gRPC API (grpc_api.py) each fill the same typed `SamplingFields`
+from their own input; the fields are validated here, once, into a `GenerateSpec` that the coordinator
+queues. Its `TokenEvent`s come back through `text_stream`, which decodes them incrementally and cuts
+the output at a stop string. Nothing here imports aiohttp or grpc: the core depends on no transport,
+and every rule here is tested without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from lockstep.coordinator.request import FinishReason
+from lockstep.steps import SamplingParams
+from lockstep.tokenizer import IncrementalDecoder, Tokenizer
+
+MAX_STOP_STRINGS = 4
+_KIND_NAMES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+class ApiError(Exception):
+    """An error the client caused or can retry; both APIs render it (OpenAI's error body, a gRPC status)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+
+    def body(self) -> dict:
+        """OpenAI's error body, so OpenAI clients show the message and the offending field."""
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a request's output: a token (or none), and why it ended when it did."""
+
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    error: str = ""
+    status: int = 503  # of an error: < 500 means the request itself can never be served
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request, as the coordinator queues it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens_given: bool = True  # False: max_tokens is "up to the context", which the group may lower
+
+
+class ServedModel(Protocol):
+    """What validating a request needs to know about the model."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+class Frontend(ServedModel, Protocol):
+    """What both APIs need from the coordinator."""
+
+    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
+        """Queue the request at once (raising ApiError if it cannot be) and return its events; closing
+        them early aborts the request."""
+    def healthy(self) -> bool: ...
+    def health_detail(self) -> dict: ...
+    def metrics_text(self) -> bytes: ...
+    async def reset_prefix_cache(self, rank: int | None) -> None: ...
+    def step_log(self, group: str | None, since: int) -> dict:
+        """{"group", "steps", "next"}: the group's step timings from entry `since` (KeyError: no such group)."""
+
+
+# ----- request fields
+
+
+def json_field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if it has one of `kinds` (a bool is not a number), `default` if absent or null."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise ApiError(400, f"'{name}' must be of type {_kind_names(kinds)}, got a boolean", name)
+    if not isinstance(value, kinds):
+        raise ApiError(400, f"'{name}' must be of type {_kind_names(kinds)}, got {type(value).__name__}", name)
+    return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(dict.fromkeys(_KIND_NAMES.get(k, k.__name__) for k in kinds))
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """A request's sampling fields as the client sent them (None: not sent): of the right types, not
+    yet checked for range. HTTP fills it from JSON (`from_json`), gRPC from the proto's optional fields."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool | None = None
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> SamplingFields:
+        """The fields of an OpenAI request body; a field of the wrong JSON type is a 400 naming it."""
+        temperature = json_field(body, "temperature", (int, float))
+        top_p = json_field(body, "top_p", (int, float))
+        top_k = json_field(body, "top_k", (int,))
+        seed = json_field(body, "seed", (int,))
+        n = json_field(body, "n", (int,))
+        max_tokens = json_field(body, "max_tokens", (int,))
+        if max_tokens is None:
+            max_tokens = json_field(body, "max_completion_tokens", (int,))
+        stop = json_field(body, "stop", (str, list), [])
+        return cls(temperature, top_p, top_k, seed, n, max_tokens, [stop] if isinstance(stop, str) else stop,
+                   json_field(body, "ignore_eos", (bool,)))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling fields: what `GenerateSpec` is built from."""
+
+    params: SamplingParams
+    max_tokens: int | None
+    stop: list[str]
+    ignore_eos: bool
+
+
+def parse_sampling(fields: SamplingFields) -> Sampling:
+    """Check every field's range (OpenAI's where it has one); a bad one is a 400 naming it."""
+    params = _sampling_params(fields)
+    n = 1 if fields.n is None else fields.n
+    if n != 1:
+        raise ApiError(400, f"only n=1 is supported, got {n}", "n")
+    max_tokens = fields.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    stop = list(fields.stop)
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} of them", "stop")
+    return Sampling(params, max_tokens, stop, bool(fields.ignore_eos))
+
+
+def _sampling_params(fields: SamplingFields) -> SamplingParams:
+    temperature = 1.0 if fields.temperature is None else float(fields.temperature)
+    if not 0.0 <= temperature <= 2.0:  # also refuses NaN
+        raise ApiError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    top_p = 1.0 if fields.top_p is None else float(fields.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = 0 if fields.top_k is None else fields.top_k
+    if not -1 <= top_k < 1 << 31:
+        raise ApiError(400, f"'top_k' must be -1, 0 (off) or a positive number of tokens, got {top_k}", "top_k")
+    seed = fields.seed
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise ApiError(400, f"'seed' must be a 64-bit signed integer, got {seed}", "seed")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+
+
+def check_model(model: ServedModel, requested: str | None) -> None:
+    """A request may name the served model, and no other (None: the served one)."""
+    if requested is not None and requested != model.model_name:
+        raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{model.model_name}'",
+                       "model", "model_not_found", "NotFoundError")
+
+
+def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]) -> GenerateSpec:
+    """Validate the sampling fields and the prompt against the model: what the coordinator can queue."""
+    sampling = parse_sampling(fields)
+    limit = model.max_model_len
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    vocab = model.tokenizer.vocab_size
+    if any(t < 0 or t >= vocab for t in prompt_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    room = limit - len(prompt_ids)
+    if room < 1:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
+    max_tokens = sampling.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}", "max_tokens",
+                       "context_length_exceeded")
+    eos = [] if sampling.ignore_eos else sorted(model.tokenizer.eos_token_ids)
+    return GenerateSpec(list(prompt_ids), sampling.params, max_tokens, sampling.stop, eos, sampling.ignore_eos,
+                        sampling.max_tokens is not None)
+
+
+# ----- output
+
+
+class TextPiece(NamedTuple):
+    """New output text with the token ids it came from; finish_reason is set on the last piece."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class Completion(NamedTuple):
+    """A whole answer (of a non-streaming request)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    cached_tokens: int
+
+
+def generate_text(frontend: Frontend, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TextPiece, None]:
+    """Queue the request now, so a refusal raises ApiError before any output, and return its text."""
+    return text_stream(frontend.tokenizer, spec, frontend.generate(request_id, spec))
+
+
+async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGenerator[TokenEvent, None]
+                      ) -> AsyncGenerator[TextPiece, None]:
+    """Text pieces of the request's tokens, holding back what could still become a stop string.
+
+    The output ends at the first stop string (finish reason "stop"), which is not sent; an error event
+    raises ApiError. Closing the pieces early closes the events, which aborts the request.
+    """
+    decoder = IncrementalDecoder(tokenizer)
+    hold = max((len(s) for s in spec.stop), default=1) - 1
+    text, sent, ids = "", 0, []
+    async with aclosing(events):
+        async for ev in events:
+            _raise_error(ev)
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+                text += decoder.add(ev.token_id)
+            reason = ev.finish_reason
+            if reason is not None:
+                text += decoder.flush()  # before the stop check: the held-back text may hold a stop string
+            cut = _find_stop(text, spec.stop, sent)
+            if cut is not None:
+                text, reason = text[:cut], FinishReason.STOP
+            if reason is not None:
+                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens)
+                return
+            safe = len(text) - hold
+            if safe > sent:
+                yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens)
+                sent, ids = safe, []
+
+
+def _raise_error(ev: TokenEvent) -> None:
+    if ev.error and ev.status < 500:
+        raise ApiError(ev.status, ev.error, "max_tokens", "request_too_large")
+    if ev.error:
+        raise ApiError(503, ev.error, code="group_unavailable", err_type="service_unavailable")
+
+
+def _find_stop(text: str, stops: list[str], sent: int) -> int | None:
+    """Where the first stop string starts; text before `sent` holds none, so the search starts there."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, sent - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
+    """The whole answer of a non-streaming request (cancelled, it closes the pieces: the request aborts)."""
+    text, ids, reason, cached = [], [], None, 0
+    async with aclosing(pieces):
+        async for piece in pieces:
+            text.append(piece.text)
+            ids.extend(piece.token_ids)
+            reason, cached = piece.finish_reason or reason, piece.cached_tokens
+    return Completion("".join(text), ids, reason, cached)

@@ -1,0 +1,197 @@
+"""Simulated ranks for the scheduler's tests: each rank the engine's own page bookkeeping (`RankCache`, its
+own pool size and its own flushes) around a fake forward, carrying out every plan as the engine does
+(releases, pins, allocations, "forward", sampling, commits, flush, probes) and refusing a step as a group.
+
+The simulated sampler draws a token from the seed, the sample index and every token the rank holds for
+the request, so a rank that held the wrong tokens at the wrong positions (a bad prefix, a recompute that
+resumed wrong) samples differently from the reference and the test sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from lockstep.coordinator.request import Request
+from lockstep.coordinator.scheduler import FINISHED, Event, Scheduler
+from lockstep.kv.allocator import PagePool, PrefixNotHeld
+from lockstep.kv.page_keys import key_salt
+from lockstep.kv.rank_cache import RankCache, StepRefused
+from lockstep.steps import Admit, Chunk, Plan, Report, Sampled
+
+SALT = key_salt("sim-model", 4)
+VOCAB = 50
+
+
+def fake_sample(seed: int, sample_index: int, context: list[int]) -> int:
+    data = struct.pack(f"<qq{len(context)}I", seed, sample_index, *context)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little") % VOCAB
+
+
+def reference(req: Request) -> list[int]:
+    """What the request must generate: each token drawn from the exact context before it."""
+    out: list[int] = []
+    while len(out) < req.max_tokens:
+        tok = fake_sample(req.sampling.seed, len(out), list(req.prompt_token_ids) + out)
+        out.append(tok)
+        if tok in req.stop_token_ids:
+            break
+    return out
+
+
+@dataclass
+class SimRank:
+    """One rank: the real bookkeeping (`RankCache`) around a fake forward.
+
+    The fake forward keeps a token where the model keeps its k/v (page * page_size + offset of the
+    request's page table) and samples from what it reads back at the chunk's positions, so a page
+    table that points at the wrong pages samples differently from the reference.
+    """
+
+    rank: int
+    num_pages: int
+    page_size: int
+    caching: bool = True
+    cache: RankCache = field(init=False)
+    slots: list[int | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        pool = PagePool("default", self.num_pages)
+        self.cache = RankCache(pool, self.page_size, SALT, max_model_len=1 << 30, prefix_caching=self.caching,
+                               rank=self.rank)
+        self.slots = [None] * (self.num_pages * self.page_size)
+
+    @property
+    def pool(self) -> PagePool:
+        return self.cache.pool
+
+    def prepare(self, plan: Plan, refuse: str = "") -> str:
+        """This rank's refusal, or "". A refusal the scheduler should never cause (an over-admission, a
+        chunk at the wrong position) fails the test here; a prefix a flush took is the rank's to refuse."""
+        try:
+            self.cache.prepare(plan)
+        except StepRefused as exc:
+            if not isinstance(exc.__cause__, PrefixNotHeld):
+                raise
+            return str(exc)
+        return refuse
+
+    def finish(self, plan: Plan, refused: str) -> Report:
+        sampled: list[Sampled] = []
+        if refused:
+            self.cache.undo_admits()
+        else:
+            sampled = [s for c in plan.batch if (s := self._forward(c)) is not None]
+            for chunk in plan.batch:
+                self.cache.advance(chunk)
+        probes, pools = self.cache.finish(plan)
+        self.cache.check()
+        return Report(plan.step, self.rank, tuple(sampled), probes, pools, refused)
+
+    def _forward(self, chunk: Chunk) -> Sampled | None:
+        table, ps = self.cache.table(chunk.request_id), self.page_size
+        end = chunk.start + len(chunk.token_ids)
+        for pos, token in zip(range(chunk.start, end), chunk.token_ids, strict=True):
+            self.slots[table[pos // ps] * ps + pos % ps] = token
+        if not chunk.sample:
+            return None
+        context = [self.slots[table[pos // ps] * ps + pos % ps] for pos in range(end)]
+        return Sampled(chunk.request_id, fake_sample(chunk.sampling.seed, chunk.sample_index, context))
+
+    def warm(self, tokens: list[int]) -> None:
+        """Leave the full pages of `tokens` cached (unpinned) on this rank, as an earlier request would."""
+        full = tokens[: len(tokens) // self.page_size * self.page_size]
+        run = Plan(step=0, admits=(Admit("warm"),), batch=(Chunk("warm", tuple(full), 0),))
+        release = Plan(step=0, releases=("warm",))
+        for plan in (run, release):
+            assert not self.prepare(plan)
+            self.finish(plan, "")
+
+    def assert_idle(self) -> None:
+        s = self.pool.stats()
+        assert self.pool.owners() == [], f"rank {self.rank} still holds {self.pool.owners()}"
+        assert s.pinned == 0 and s.used == 0 and s.free + s.evictable == s.total, s
+
+
+class Group:
+    """A scheduler and its simulated ranks, stepped together; checks every plan as it goes."""
+
+    def __init__(self, sched: Scheduler, pools: list[int], caching: bool = True) -> None:
+        self.sched = sched
+        self.ranks = [SimRank(r, n, sched.page_size, caching) for r, n in enumerate(pools)]
+        self.reports: list[Report] = []
+        self.step = 0
+        self.plans: list[Plan] = []
+        self.events: list[Event] = []
+        self.next_start: dict[str, int] = {}
+
+    def run_step(
+        self,
+        flush: tuple[int, ...] = (),
+        refuse: dict[int, str] | None = None,
+        between: Callable[[Plan], None] | None = None,
+        tamper: Callable[[list[Report]], None] | None = None,
+    ) -> list[Event]:
+        """One step; `between` runs while the plan is in flight, `tamper` edits the reports on their way."""
+        plan = self.sched.plan(self.step, self.reports, flush=bool(flush))
+        before = dict(self.next_start)
+        self._check_plan(plan)
+        if between is not None:
+            between(plan)
+        refuse = refuse or {}
+        # As the group's step loop sends it: the flush rides only on the plans of the ranks that flush.
+        plans = [replace(plan, flush_prefix_cache=True) if r.rank in flush else plan for r in self.ranks]
+        errors = [r.prepare(p, refuse.get(r.rank, "")) for r, p in zip(self.ranks, plans, strict=True)]
+        group_error = next((e for e in errors if e), "")
+        if group_error:  # nothing ran: the chunks of the running requests come again
+            self.next_start = {rid: before[rid] for rid in self.next_start if rid in before}
+        reports = [
+            r.finish(p, (errors[r.rank] or "another rank refused") if group_error else "")
+            for r, p in zip(self.ranks, plans, strict=True)
+        ]
+        if tamper is not None:
+            tamper(reports)
+        events = self.sched.apply(reports)
+        self.reports, self.step = reports, self.step + 1
+        self.plans.append(plan)
+        self.events.extend(events)
+        assert self.sched.num_running <= self.sched.max_num_seqs
+        return events
+
+    def _check_plan(self, plan: Plan) -> None:
+        sched = self.sched
+        assert sum(len(c.token_ids) for c in plan.batch) <= sched.max_num_batched_tokens
+        assert len({c.request_id for c in plan.batch}) == len(plan.batch)
+        for rid in plan.releases:
+            self.next_start.pop(rid, None)
+        for admit in plan.admits:
+            self.next_start[admit.request_id] = len(admit.prefix_keys) * sched.page_size
+        for c in plan.batch:
+            req = sched.requests[c.request_id]
+            assert c.start == self.next_start[c.request_id], f"{c} is not contiguous"
+            end = c.start + len(c.token_ids)
+            self.next_start[c.request_id] = end
+            assert c.token_ids == req.token_ids(c.start, end)
+            assert c.sample == (end == req.num_tokens)
+            assert c.sample_index == len(req.generated)
+            assert c.sampling.seed is not None
+        if not sched.prefix_caching:
+            assert not plan.probes and all(not a.prefix_keys for a in plan.admits)
+
+    def run(self, limit: int = 3000) -> None:
+        while self.sched.has_work():
+            self.run_step()
+            assert self.step < limit, f"no progress after {limit} steps: {self.sched.running} {self.sched.waiting}"
+        for r in self.ranks:
+            r.assert_idle()
+
+
+def make_sched(ranks: int = 1, budget: int = 16, seqs: int = 4, caching: bool = True, **kw) -> Scheduler:
+    return Scheduler(4, SALT, budget, seqs, ranks, prefix_caching=caching, **kw)
+
+
+def finished(events: list[Event]) -> dict[str, Event]:
+    return {e.request_id: e for e in events if e.kind == FINISHED}
+

@@ -1,0 +1,123 @@
+"""A rank's page bookkeeping (`RankCache`) without a model: what each phase of a step does to the pages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
+from lockstep.kv.page_keys import key_salt, page_keys
+from lockstep.kv.rank_cache import RankCache, StepRefused
+from lockstep.steps import Admit, Chunk, Plan, PoolState, Probe, ProbeAnswer
+
+PS = 4
+SALT = key_salt("rank-cache", PS)
+PROMPT = tuple(range(1, 15))  # 3 full pages and 2 tokens
+KEYS = tuple(page_keys(PROMPT, PS, SALT))
+
+
+def make(pages: int = 16, caching: bool = True, max_model_len: int = 64) -> RankCache:
+    return RankCache(PagePool("full", pages), PS, SALT, max_model_len, caching, rank=3)
+
+
+def run(cache: RankCache, plan: Plan) -> tuple[tuple[ProbeAnswer, ...], tuple[PoolState, ...]]:
+    """One step that nothing refuses: prepare, the chunks 'computed', finish."""
+    cache.prepare(plan)
+    for chunk in plan.batch:
+        cache.advance(chunk)
+    out = cache.finish(plan)
+    cache.check()
+    return out
+
+
+def refusal(cache: RankCache, plan: Plan) -> StepRefused:
+    with pytest.raises(StepRefused) as e:
+        cache.prepare(plan)
+    cache.undo_admits()
+    cache.finish(plan)
+    cache.check()
+    return e.value
+
+
+def test_pages_filled_across_chunks_are_committed_under_the_coordinators_keys():
+    cache = make()
+    run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", PROMPT[:6], 0),)))
+    run(cache, Plan(1, batch=(Chunk("a", PROMPT[6:], 6),)))
+    (answer,), (state,) = run(cache, Plan(2, probes=(Probe("b", KEYS),)))
+    assert answer == ProbeAnswer("b", 3, 3) and state == PoolState("full", 16, 12, 0, 4, pinned=3)
+    run(cache, Plan(3, releases=("a",)))
+    (answer,), _ = run(cache, Plan(4, admits=(Admit("b", KEYS[:2]),), batch=(Chunk("b", PROMPT[8:], 8),),
+                                   probes=(Probe("c", KEYS),)))
+    # b pinned two; the third it computed again stays its own (the index keeps the first), a's stays cached.
+    assert answer == ProbeAnswer("c", 3, 2)
+
+
+def test_a_refused_step_undoes_its_admits_and_keeps_what_running_requests_hold():
+    cache = make(pages=5)
+    run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", (1, 2, 3, 4), 0),)))
+    plan = Plan(1, admits=(Admit("b"),), batch=(Chunk("a", (5,), 4), Chunk("b", tuple(range(20)), 0)))
+    error = refusal(cache, plan)
+    assert isinstance(error.__cause__, OutOfPages) and str(error).startswith("rank 3: pool 'full'")
+    assert cache.pool.owners() == ["a"] and len(cache.table("a")) == 2  # a's reserved page stays a's
+    run(cache, Plan(2, batch=(Chunk("a", (5,), 4),)))  # its chunk comes again and needs nothing more
+
+
+def test_admitting_a_request_it_holds_is_refused_and_the_holder_keeps_its_pages():
+    cache = make()
+    run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", PROMPT, 0),)))
+    error = refusal(cache, Plan(1, admits=(Admit("a"),)))
+    assert "request a is admitted twice" in str(error)
+    _, (state,) = run(cache, Plan(2, batch=(Chunk("a", (9,), len(PROMPT)),)))
+    assert state.used == 4
+
+
+@pytest.mark.parametrize(
+    "plan, cause, words",
+    [
+        (Plan(1, admits=(Admit("b", KEYS),)), PrefixNotHeld, "asked to pin 3 prefix pages"),
+        (Plan(1, batch=(Chunk("ghost", (1,), 0),)), StepRefused, "request ghost is not admitted"),
+        (Plan(1, batch=(Chunk("a", (1,), 3),)), StepRefused, "chunk starts at 3 but this rank holds 4 tokens"),
+        (Plan(1, batch=(Chunk("a", (), 4),)), StepRefused, "request a: empty chunk"),
+        (Plan(1, batch=(Chunk("a", (1,) * 61, 4),)), StepRefused, "position 65 is past the model's context"),
+        (Plan(1, admits=(Admit(["x"]),)), TypeError, "TypeError while preparing the step"),  # type: ignore[arg-type]
+    ],
+)
+def test_refusals_name_the_rank_and_keep_their_cause(plan, cause, words):
+    cache = make()
+    run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", (1, 2, 3, 4), 0),)))
+    error = refusal(cache, plan)
+    assert type(error.__cause__) is cause and words in str(error) and str(error).startswith("rank 3: ")
+    assert cache.pool.owners() == ["a"]
+
+
+def test_the_flush_comes_after_the_pins_and_the_probes_after_the_flush():
+    cache = make()
+    run(cache, Plan(0, admits=(Admit("w"),), batch=(Chunk("w", PROMPT[:12], 0),)))
+    run(cache, Plan(1, releases=("w",)))
+    plan = Plan(2, admits=(Admit("x", KEYS[:1]),), batch=(Chunk("x", PROMPT[4:6], 4),),
+                probes=(Probe("y", KEYS),), flush_prefix_cache=True)
+    (answer,), (state,) = run(cache, plan)
+    assert answer == ProbeAnswer("y", 1, 1) and state == PoolState("full", 16, 14, 0, 2, pinned=1)
+
+
+def test_release_all_drops_every_request():
+    cache = make()
+    run(cache, Plan(0, admits=(Admit("a"), Admit("b")), batch=(Chunk("a", (1,), 0), Chunk("b", PROMPT, 0))))
+    _, (state,) = run(cache, Plan(1, release_all=True))
+    assert cache.pool.owners() == [] and state.used == 0 and state.evictable == 3
+
+
+def test_prefix_caching_off_commits_nothing_and_refuses_a_prefix():
+    cache = make(caching=False)
+    (answer,), (state,) = run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", PROMPT, 0),),
+                                          probes=(Probe("b", KEYS),)))
+    assert answer == ProbeAnswer("b", 0, 0) and state.pinned == 0 and state.used == 4
+    assert "prefix caching is off on rank 3" in str(refusal(cache, Plan(1, admits=(Admit("b", KEYS[:1]),))))
+
+
+def test_kv_imports_no_torch_grpc_or_aiohttp():
+    code = ("import sys, lockstep.kv.rank_cache, lockstep.kv.paging; "
+            "bad = [m for m in ('torch', 'grpc', 'aiohttp') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,81 @@
+"""The scheduler when a group goes down: every request is kept, with its tokens, and a fresh or another
+group finishes it with the tokens of an undisturbed run (simulated ranks, `sim_ranks`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.coordinator.request import Request
+from lockstep.coordinator.scheduler import PREEMPTED
+from sim_ranks import Group, make_sched, reference
+
+
+def test_requeue_all_keeps_every_request_for_a_fresh_group():
+    """The group goes down with a plan in flight: every request waits, with its tokens, and a fresh
+    group (new ranks, no reports yet) finishes all of them with the tokens of an undisturbed run."""
+    sched = make_sched(ranks=2, caching=False)
+    g = Group(sched, [30, 30], caching=False)
+    reqs = [Request(f"q{i}", [1, 2, 3], max_tokens=20) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(4):
+        g.run_step()
+    sched.plan(g.step, g.reports)  # in flight when the group goes down
+    events = sched.requeue_all()
+    assert {e.request_id for e in events} == {r.request_id for r in reqs if r.generated}
+    assert sched.num_running == 0 and sched.num_waiting == 3 and all(r.num_computed == 0 for r in reqs)
+    assert sched.stats.preemptions == 0  # not counted: nothing was short of pages
+    fresh = Group(sched, [30, 30], caching=False)
+    fresh.step = g.step + 1
+    sched.add(Request("after", [5, 6], max_tokens=2))
+    fresh.run()
+    assert all(r.generated == reference(r) for r in reqs)
+
+
+def test_requeue_all_keeps_requests_across_a_dead_rank_and_replays_them():
+    sched = make_sched(ranks=2, budget=8, caching=True)
+    g = Group(sched, [30, 30])
+    reqs = [Request(f"k{i}", list(range(1, 11)), max_tokens=12) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(6):
+        g.run_step()
+    sched.plan(g.step, g.reports)  # in flight when rank 1 dies
+    kept = {r.request_id: list(r.generated) for r in reqs}
+    running = [r.request_id for r in sched.running]
+    assert len(running) >= 2 and any(kept.values())
+    events = sched.requeue_all()
+    assert sorted(e.request_id for e in events) == sorted(running)
+    assert all(e.kind == PREEMPTED for e in events) and sched.stats.preemptions == 0
+    assert [r.request_id for r in sched.waiting] == ["k0", "k1", "k2"]  # arrival order kept
+    fresh = Group(sched, [30, 30])  # the group recreated: empty caches
+    fresh.step = g.step + 1
+    fresh.run()
+    for r in reqs:
+        assert r.generated[: len(kept[r.request_id])] == kept[r.request_id]
+        assert r.generated == reference(r) and r.finish_reason == "length"
+
+
+def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
+    """Group A goes down mid-generation; group B adopts the request, recomputes prompt + generated and
+    produces exactly the tokens an undisturbed run would have, keeping what the client already has."""
+    a_sched = make_sched(budget=32, caching=False)
+    a = Group(a_sched, [32], caching=False)
+    req = Request("r", list(range(1, 11)), max_tokens=12)
+    a_sched.add(req)
+    while len(req.generated) < 5:
+        a.run_step()
+    kept = list(req.generated)
+    a_sched.requeue_all()
+    b_sched = make_sched(budget=32)
+    b = Group(b_sched, [32])
+    b_sched.adopt(req)
+    with pytest.raises(ValueError, match="already in use"):
+        b_sched.adopt(req)
+    b.run_step()
+    b.run_step()
+    first = next(c for p in b.plans for c in p.batch if c.request_id == "r")
+    assert first.start == 0 and first.token_ids == tuple(range(1, 11)) + tuple(kept)
+    assert first.sample and first.sample_index == len(kept)
+    b.run()
+    assert req.generated[: len(kept)] == kept and req.generated == reference(req)
