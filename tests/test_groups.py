@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from checkpoints import random_prompt as prompt
 from cluster import Cluster, http
+from lockstep import wire
+from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
+from lockstep.steps import Plan
 
 
 def complete(c: Cluster, tokens: list[int], n: int) -> dict:
@@ -47,6 +53,42 @@ def test_new_coordinator_releases_what_the_old_one_left(tiny_llama, tmp_path):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
         c.assert_no_leak()
     finally:
+        c.close()
+
+
+def test_a_new_coordinator_catches_up_a_rank_left_one_step_behind(tiny_llama, tmp_path):
+    """A coordinator killed between writing plan k to one rank and to the next leaves the first rank waiting
+    in step k's agreement collective for a peer that never comes. The next coordinator used to wait for a
+    recreation of the group that nothing would ever do; now the ranks one step behind abstain from step k,
+    so the group skips it together and is served again."""
+    c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path)
+    sent = threading.Event()
+    channel = grpc.insecure_channel(f"127.0.0.1:{c.rank_ports[0]}")
+    try:
+        first = complete(c, prompt(3, 20), 4)
+        c.coordinator.send_signal(signal.SIGKILL)
+        c.coordinator.wait()
+        stub = rank_pb2_grpc.RankServiceStub(channel)
+        step = stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step + 1
+
+        def plans():
+            yield wire.plan_to_proto(Plan(step=step))  # to rank 0 only, as a coordinator killed mid-write
+            sent.wait()
+
+        call = stub.Step(plans())  # kept: a dropped call is cancelled
+        deadline = time.monotonic() + 20
+        while stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step != step and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step == step
+        c.start_coordinator()
+        c.wait_healthy(timeout=60)
+        assert complete(c, prompt(3, 20), 4)["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert f"one step behind: ranks [1] abstain from step {step}" in c.log(c.coordinator)
+        c.assert_no_leak()
+        call.cancel()
+    finally:
+        sent.set()
+        channel.close()
         c.close()
 
 

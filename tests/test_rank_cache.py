@@ -121,3 +121,12 @@ def test_kv_imports_no_torch_grpc_or_aiohttp():
     code = ("import sys, lockstep.kv.rank_cache, lockstep.kv.paging; "
             "bad = [m for m in ('torch', 'grpc', 'aiohttp') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_abstaining_plan_is_refused_and_changes_nothing():
+    cache = make()
+    run(cache, Plan(step=0, admits=(Admit("a"),), batch=(Chunk("a", PROMPT, 0),)))
+    before = cache.stats()
+    exc = refusal(cache, Plan(step=1, releases=("a",), abstain=True))
+    assert "rank 3 abstains from step 1" in str(exc)
+    assert cache.stats() == before and cache.table("a")  # not even its releases were carried out

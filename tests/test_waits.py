@@ -69,3 +69,17 @@ def test_a_clock_that_steps_back_never_counts_negative_time():
     wait = AgreementWait(0, 1, started_at=50.0)
     assert wait.elapsed(40.0) == 0.0
     assert not wait.stalled(40.0, threshold=0.0)
+
+
+def test_one_step_behind_names_the_ranks_a_dead_coordinator_left_behind():
+    from lockstep.coordinator.group import one_step_behind
+    from lockstep.steps import RankInfo
+
+    def infos(*steps: int) -> list[RankInfo]:
+        return [RankInfo(r, len(steps), "m", 16, (("full", 8),), 64, 100, s) for r, s in enumerate(steps)]
+
+    assert one_step_behind(infos(7, 6, 7)) == (7, [1])
+    assert one_step_behind(infos(6, 6, 7)) == (7, [0, 1])
+    assert one_step_behind(infos(7, 7)) == (-1, [])  # in step
+    assert one_step_behind(infos(5, 7)) == (-1, [])  # two apart: not a dead coordinator's doing
+    assert one_step_behind(infos(-1, 0)) == (0, [0])

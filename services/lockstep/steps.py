@@ -74,6 +74,7 @@ class Plan:
     probes: tuple[Probe, ...] = ()
     flush_prefix_cache: bool = False
     release_all: bool = False
+    abstain: bool = False  # refuse this step and nothing else: catching up a rank left one step behind
 
 
 @dataclass(frozen=True)

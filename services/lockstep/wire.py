@@ -88,6 +88,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
             releases=list(plan.releases),
             flush_prefix_cache=plan.flush_prefix_cache,
             release_all=plan.release_all,
+            abstain=plan.abstain,
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
@@ -142,6 +143,7 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
         probes=tuple(Probe(p.request_id, tuple(p.keys)) for p in msg.probes),
         flush_prefix_cache=msg.flush_prefix_cache,
         release_all=msg.release_all,
+        abstain=msg.abstain,
     )
     _check_plan(plan)
     return plan

@@ -58,6 +58,19 @@ def inconsistent(infos: list[RankInfo], size: int) -> str:
     return ""
 
 
+def one_step_behind(infos: list[RankInfo]) -> tuple[int, list[int]]:
+    """(step k, the ranks at k - 1) when the others are at k, else (-1, []).
+
+    Only a coordinator that died between writing plan k to one rank and to another leaves a group so:
+    the ranks at k wait in step k's agreement collective for peers that never got plan k. Those peers
+    abstain from step k, and the whole group skips it together.
+    """
+    steps = sorted({i.last_step for i in infos})
+    if len(steps) != 2 or steps[1] != steps[0] + 1:
+        return -1, []
+    return steps[1], [r for r, i in enumerate(infos) if i.last_step == steps[0]]
+
+
 class GroupDown(RuntimeError):
     """A rank of the group is dead: the group stops and its requests go back to the coordinator."""
 
@@ -209,6 +222,10 @@ class GroupRunner:
         said = ""
         while True:
             infos, why = await self._infos()
+            step, behind = one_step_behind(infos) if not why else (-1, [])
+            if behind:
+                await self._catch_up(step, behind)
+                continue
             why = why or inconsistent(infos, len(self.links))
             if not why:
                 break
@@ -222,6 +239,26 @@ class GroupRunner:
         for link in self.links:
             await link.open(self.inbox)
         return infos
+
+    async def _catch_up(self, step: int, behind: list[int]) -> None:
+        """Have the ranks one step behind abstain from `step`, and wait (up to the dead-rank timeout) for
+        their refusals; the ranks ahead then finish the step as refused too."""
+        log.warning("group %s: ranks one step behind: ranks %s abstain from step %d, which the others are in "
+                    "(their last coordinator died between its writes)", self.name, behind, step)
+        inbox: asyncio.Queue = asyncio.Queue()
+        for r in behind:
+            await self.links[r].open(inbox)
+            self.links[r].send(Plan(step=step, abstain=True))
+        wait = AgreementWait(step, behind, time.monotonic())
+        while not wait.done and not wait.dead(time.monotonic(), self.dead_rank_timeout):
+            try:
+                rank, item = await asyncio.wait_for(inbox.get(), POLL_S)
+            except TimeoutError:
+                continue
+            if isinstance(item, str):
+                log.warning("group %s: rank %d went away while catching up: %s", self.name, rank, item)
+                return
+            wait.record(item)
 
     async def _infos(self) -> tuple[list[RankInfo], str]:
         infos = []

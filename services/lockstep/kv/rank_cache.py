@@ -82,6 +82,9 @@ class RankCache:
         group's agreement, or its peers would wait for it in that collective forever.
         """
         self._admitted = []
+        if plan.abstain:
+            raise StepRefused(f"rank {self.rank} abstains from step {plan.step}: its coordinator is catching it "
+                              "up to the step its peers are in")
         self._release(plan)
         try:
             for admit in plan.admits:

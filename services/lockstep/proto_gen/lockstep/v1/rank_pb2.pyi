@@ -51,7 +51,7 @@ class ProbeMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
-    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all")
+    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class PlanMsg(_message.Message):
     PROBES_FIELD_NUMBER: _ClassVar[int]
     FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ALL_FIELD_NUMBER: _ClassVar[int]
+    ABSTAIN_FIELD_NUMBER: _ClassVar[int]
     step: int
     releases: _containers.RepeatedScalarFieldContainer[str]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
@@ -66,7 +67,8 @@ class PlanMsg(_message.Message):
     probes: _containers.RepeatedCompositeFieldContainer[ProbeMsg]
     flush_prefix_cache: bool
     release_all: bool
-    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ...) -> None: ...
+    abstain: bool
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ...) -> None: ...
 
 class ProbeAnswerMsg(_message.Message):
     __slots__ = ("request_id", "matched_pages", "pinned_pages")
