@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("LOCKSTEP_OPERATOR_RETRY_SECONDS", "0.5")
 
-from lockstep_operator import handlers  # noqa: E402
+from lockstep_operator import handlers  # noqa: E402, F401 - importing registers the handlers
 from lockstep_operator import manifests as m  # noqa: E402
 from lockstep_operator.kube import Kube  # noqa: E402
 
@@ -89,7 +89,6 @@ def run(scenario: Callable[[Kube, kmock.KubernetesEmulator], Any]) -> None:
             _server_url.append(str(server.url).rstrip("/"))
             config = kubernetes.client.Configuration(host=_server_url[-1])
             kube = Kube(kubernetes.client.ApiClient(config))
-            handlers.set_kube(kube)
             settings = kopf.OperatorSettings()
             settings.scanning.disabled = True  # KMock 0.8 answers the namespace list with 500
             settings.watching.reconnect_backoff = 0.1
@@ -99,14 +98,14 @@ def run(scenario: Callable[[Kube, kmock.KubernetesEmulator], Any]) -> None:
             # loop, and KMock's server tasks must not be among them.
             stop = threading.Event()
             operator = threading.Thread(target=asyncio.run, args=(kopf.operator(
-                clusterwide=True, standalone=True, settings=settings, stop_flag=stop),), daemon=True)
+                clusterwide=True, standalone=True, settings=settings, stop_flag=stop,
+                memo=kopf.Memo(kube=kube)),), daemon=True)
             operator.start()
             try:
                 await scenario(kube, k)
             finally:
                 stop.set()
                 await asyncio.to_thread(operator.join, 10)
-                handlers.set_kube(None)
             assert not operator.is_alive(), "the operator did not stop"
     asyncio.run(main())
 
@@ -151,7 +150,8 @@ def test_update_tp_rolls_groups_one_at_a_time_and_scaling_removes_groups() -> No
         await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
                                 {"metadata": {"generation": 2}, "spec": {"tensorParallelSize": 3}})
         await until(lambda: kube.get("StatefulSet", NS, "demo-g0")["spec"]["replicas"] == 3)
-        assert await asyncio.to_thread(kube.get, "Pod", NS, "demo-g0-0") is None, "rolled group keeps old pods"
+        # The template is patched before the pods are deleted (two API calls): wait for the second.
+        await until(lambda: kube.get("Pod", NS, "demo-g0-0") is None, timeout=5)  # rolled group keeps old pods
         await asyncio.sleep(1.5)  # several retries: g1 must wait while g0 is down and g1 serves
         assert (await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g1"))["spec"]["replicas"] == 1
         new_g0 = await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g0")
@@ -235,4 +235,32 @@ def test_invalid_spec_is_reported_not_built(spec: dict) -> None:
         assert status["conditions"][0]["reason"] == "InvalidSpec"
         assert "InvalidSpec" in posted_event_reasons(k)
         assert await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g0") is None
+    run(scenario)
+
+
+def test_rolling_a_group_settles_its_pending_recreate() -> None:
+    """A roll replaces every pod of the group: a recreate that waited for a Pending pod is done with."""
+    async def scenario(kube: Kube, k: kmock.KubernetesEmulator) -> None:
+        await asyncio.to_thread(kube.create, cr({"model": {"path": "/m"}, "tensorParallelSize": 2}))
+        g0 = await until(lambda: kube.get("StatefulSet", NS, "demo-g0"))
+        await asyncio.to_thread(kube.create, rank_pod("demo-g0", 0, g0, restarts=1))
+        await asyncio.to_thread(kube.create, rank_pod("demo-g0", 1, g0, phase="Pending"))
+        await until(lambda: any(g.get("pendingRecreate") for g in (kube.get("LockstepDeployment", NS, "demo") or {})
+                                .get("status", {}).get("groups", [])))
+
+        await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
+                                {"metadata": {"generation": 2}, "spec": {"tensorParallelSize": 3}})
+        await until(lambda: kube.get("Pod", NS, "demo-g0-1") is None)  # the roll replaces every pod
+
+        def settled() -> bool:
+            status = kube.get("LockstepDeployment", NS, "demo")["status"]
+            return status.get("observedGeneration") == 2 and not status["groups"][0]["pendingRecreate"]
+        await until(settled, timeout=10)  # the roll did what the recreate waited for
+        new_g0 = await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g0")
+        for r in range(3):
+            await asyncio.to_thread(kube.create, rank_pod("demo-g0", r, new_g0))
+        await asyncio.sleep(0.5)
+        assert await asyncio.to_thread(kube.get, "Pod", NS, "demo-g0-0") is not None, "fresh group recreated"
+        status = (await asyncio.to_thread(kube.get, "LockstepDeployment", NS, "demo"))["status"]
+        assert status["groups"][0]["restarts"] == 0
     run(scenario)

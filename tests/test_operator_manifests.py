@@ -165,3 +165,17 @@ def test_template_hash_tracks_the_pod_spec() -> None:
     again = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3}), 0)
     h = lambda t: t["metadata"]["annotations"][m.ANNOTATION_HASH]
     assert h(one) != h(three) and h(three) == h(again)
+
+
+def test_group_objects_carry_their_index_but_the_pod_template_does_not() -> None:
+    _, objs = build("pvc-tp4")
+    for i in range(3):
+        for kind in ("StatefulSet", "Service"):
+            labels = by(objs, kind, f"demo-g{i}")["metadata"]["labels"]
+            assert labels[m.LABEL_GROUP_INDEX] == str(i) and labels[m.LABEL_GROUP] == f"demo-g{i}"
+        sts = by(objs, "StatefulSet", f"demo-g{i}")["spec"]
+        # On the pods it would change every template hash, and so roll every group once on upgrade.
+        assert m.LABEL_GROUP_INDEX not in sts["template"]["metadata"]["labels"]
+        assert m.LABEL_GROUP_INDEX not in sts["selector"]["matchLabels"], "a selector cannot change"
+    _, objs = build("tp3x2")
+    assert by(objs, "NetworkPolicy", "demo-g1")["metadata"]["labels"][m.LABEL_GROUP_INDEX] == "1"

@@ -78,8 +78,8 @@ def _resources(default: Schema, description: str) -> Schema:
                  "limits": _quantities("Maximum resources.")}, default=default, description=description)
 
 
-def spec_schema() -> Schema:
-    """The openAPIV3Schema of `.spec`."""
+def _model_schema() -> Schema:
+    """Where the checkpoint comes from: exactly one of builtin, path, pvc."""
     model = _obj(
         {
             "builtin": {"type": "boolean", "default": False,
@@ -98,55 +98,67 @@ def spec_schema() -> Schema:
         "rule": "(self.builtin ? 1 : 0) + (has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
         "message": "model must set exactly one of builtin: true, path, pvc",
     }]
+    return model
+
+
+def _runtime_schemas() -> dict[str, Schema]:
+    """How the services run: KV cache, scheduler, agreement timeouts, coordinator."""
+    return {
+        "kvCache": _obj(
+            {
+                "pageSize": _int(1, 1024, 16, "Tokens per KV page."),
+                "memoryFraction": _num(0, 1, 0.9, exclusive_minimum=True,
+                                       description="Share of free device memory for KV pages."),
+                "pages": _int(0, None, 0, "KV pages per pool; 0 uses memoryFraction."),
+                "prefixCaching": {"type": "boolean", "default": True},
+            },
+            default={},
+        ),
+        "scheduler": _obj(
+            {
+                "maxNumBatchedTokens": _int(1, None, 512, "Token budget per step."),
+                "maxNumSeqs": _int(1, None, 64, "Running requests per group."),
+            },
+            default={},
+        ),
+        "agreement": _obj(
+            {
+                "stallThresholdSeconds": _num(0, None, 5, exclusive_minimum=True,
+                                              description="A longer agreement wait is stalled."),
+                "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
+                                               description="A rank silent this long is dead."),
+                "replayTimeoutSeconds": _num(0, None, 0, description=(
+                    "How long the requests of a group that went down wait for a group to take them when "
+                    "no other is up (0: they fail at once with a retriable 503).")),
+            },
+            default={},
+        ),
+        "coordinator": _obj(
+            {
+                "serviceType": _str(default="ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]),
+                "httpPort": _int(1, 65535, 8000),
+                "grpcPort": _int(1, 65535, 8001),
+                "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
+                                        "Coordinator resources (it runs no model)."),
+            },
+            default={},
+        ),
+    }
+
+
+def spec_schema() -> Schema:
+    """The openAPIV3Schema of `.spec`."""
     spec = _obj(
         {
             "image": _str(default="ghcr.io/lockstep-dev/lockstep:0.1.0", min_length=1,
                           description="Image with the `lockstep` command."),
             "imagePullPolicy": _str(default="IfNotPresent", enum=["Always", "IfNotPresent", "Never"]),
             "imagePullSecrets": _opaque("array", "LocalObjectReferences for private registries."),
-            "model": model,
+            "model": _model_schema(),
             "tensorParallelSize": _int(1, 64, 1, "Ranks per group (pods per StatefulSet)."),
             "groups": _int(0, 256, 1, "Data-parallel replicas: one StatefulSet each."),
             "resources": _resources({"limits": {"nvidia.com/gpu": 1}}, "Per-rank resources."),
-            "kvCache": _obj(
-                {
-                    "pageSize": _int(1, 1024, 16, "Tokens per KV page."),
-                    "memoryFraction": _num(0, 1, 0.9, exclusive_minimum=True,
-                                           description="Share of free device memory for KV pages."),
-                    "pages": _int(0, None, 0, "KV pages per pool; 0 uses memoryFraction."),
-                    "prefixCaching": {"type": "boolean", "default": True},
-                },
-                default={},
-            ),
-            "scheduler": _obj(
-                {
-                    "maxNumBatchedTokens": _int(1, None, 512, "Token budget per step."),
-                    "maxNumSeqs": _int(1, None, 64, "Running requests per group."),
-                },
-                default={},
-            ),
-            "agreement": _obj(
-                {
-                    "stallThresholdSeconds": _num(0, None, 5, exclusive_minimum=True,
-                                                  description="A longer agreement wait is stalled."),
-                    "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
-                                                   description="A rank silent this long is dead."),
-                    "replayTimeoutSeconds": _num(0, None, 0, description=(
-                        "How long the requests of a group that went down wait for a group to take them when "
-                        "no other is up (0: they fail at once with a retriable 503).")),
-                },
-                default={},
-            ),
-            "coordinator": _obj(
-                {
-                    "serviceType": _str(default="ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]),
-                    "httpPort": _int(1, 65535, 8000),
-                    "grpcPort": _int(1, 65535, 8001),
-                    "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
-                                            "Coordinator resources (it runs no model)."),
-                },
-                default={},
-            ),
+            **_runtime_schemas(),
             "networkPolicy": {"type": "boolean", "default": True,
                               "description": "Only the coordinator and the group's ranks reach a rank."},
             "clusterDomain": _str(default="cluster.local", min_length=1),

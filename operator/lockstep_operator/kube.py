@@ -96,6 +96,23 @@ class Kube:
             raise
         return True
 
+    def apply(self, obj: dict[str, Any]) -> str:
+        """Create the object or patch it to the desired state; says which (or 'unchanged').
+
+        Only `metadata` and `spec` are compared and patched: what the server adds (defaults, status)
+        never counts as a difference.
+        """
+        meta = obj["metadata"]
+        current = self.get(obj["kind"], meta["namespace"], meta["name"])
+        if current is None:
+            self.create(obj)
+            return "created"
+        desired = {k: v for k, v in obj.items() if k in ("metadata", "spec")}
+        if contains(current, desired):
+            return "unchanged"
+        self.patch(obj["kind"], meta["namespace"], meta["name"], desired)
+        return "patched"
+
 
 def contains(actual: Any, desired: Any) -> bool:
     """Whether `actual` already has every field of `desired` (servers add defaults; those are fine)."""

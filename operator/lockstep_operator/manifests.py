@@ -22,6 +22,9 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_GROUP = f"{GROUP}/group"
+# On a group's StatefulSet, Service and NetworkPolicy (not its pods: the label would change the template
+# hash and roll every group): which group this is, so the operator never parses it out of a name.
+LABEL_GROUP_INDEX = f"{GROUP}/group-index"
 ANNOTATION_HASH = f"{GROUP}/template-hash"
 
 Manifest = dict[str, Any]
@@ -45,6 +48,11 @@ def selector(name: str, component: str, group: str | None = None) -> dict[str, s
 
 def _labels(name: str, component: str, group: str | None = None) -> dict[str, str]:
     return selector(name, component, group) | {LABEL_MANAGED_BY: "lockstep-operator"}
+
+
+def group_labels(name: str, index: int) -> dict[str, str]:
+    """Labels of a group's StatefulSet, Service and NetworkPolicy; they carry the group's index."""
+    return _labels(name, "rank", group_name(name, index)) | {LABEL_GROUP_INDEX: str(index)}
 
 
 def rank_selector_string(name: str) -> str:
@@ -165,7 +173,7 @@ def group_statefulset(name: str, namespace: str, spec: dict[str, Any], index: in
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "metadata": {"name": g, "namespace": namespace, "labels": group_labels(name, index)},
         "spec": {
             "serviceName": g,
             "replicas": spec["tensorParallelSize"],
@@ -183,7 +191,7 @@ def group_service(name: str, namespace: str, index: int) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "metadata": {"name": g, "namespace": namespace, "labels": group_labels(name, index)},
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -200,7 +208,7 @@ def group_network_policy(name: str, namespace: str, index: int) -> Manifest:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {"name": g, "namespace": namespace, "labels": _labels(name, "rank", g)},
+        "metadata": {"name": g, "namespace": namespace, "labels": group_labels(name, index)},
         "spec": {
             "podSelector": {"matchLabels": selector(name, "rank", g)},
             "policyTypes": ["Ingress"],

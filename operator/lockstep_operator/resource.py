@@ -41,10 +41,21 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _check(schema: Schema, value: Any, path: str) -> None:
+    """SpecError unless `value` fits `schema` (the subset of OpenAPI the CRD uses), naming the field."""
     if schema.get("x-kubernetes-int-or-string"):
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise SpecError(f"{path}: must be an integer or a string, got {value!r}")
         return
+    _check_value(schema, value, path)
+    if schema.get("type") == "object":
+        _check_fields(schema, value, path)
+    if schema.get("type") == "array" and "items" in schema:
+        for i, item in enumerate(value):
+            _check(schema["items"], item, f"{path}[{i}]")
+
+
+def _check_value(schema: Schema, value: Any, path: str) -> None:
+    """Type, enum, range and length of one value."""
     kind = schema.get("type")
     if kind and (not isinstance(value, _TYPES[kind]) or (kind != "boolean" and isinstance(value, bool))):
         raise SpecError(f"{path}: must be of type {kind}, got {value!r}")
@@ -59,23 +70,23 @@ def _check(schema: Schema, value: Any, path: str) -> None:
         raise SpecError(f"{path}: must be at most {schema['maximum']}, got {value!r}")
     if "minLength" in schema and len(value) < schema["minLength"]:
         raise SpecError(f"{path}: must not be empty")
-    if kind == "object":
-        for key in schema.get("required", []):
-            if key not in value:
-                raise SpecError(f"{path}.{key}: is required")
-        props = schema.get("properties")
-        if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
-            unknown = sorted(set(value) - set(props))
-            if unknown:
-                raise SpecError(f"{path}: unknown field(s) {', '.join(unknown)}")
-            for key, item in value.items():
-                _check(props[key], item, f"{path}.{key}")
-        elif "additionalProperties" in schema:
-            for key, item in value.items():
-                _check(schema["additionalProperties"], item, f"{path}.{key}")
-    if kind == "array" and "items" in schema:
-        for i, item in enumerate(value):
-            _check(schema["items"], item, f"{path}[{i}]")
+
+
+def _check_fields(schema: Schema, value: dict[str, Any], path: str) -> None:
+    """An object's required, unknown and nested fields."""
+    for key in schema.get("required", []):
+        if key not in value:
+            raise SpecError(f"{path}.{key}: is required")
+    props = schema.get("properties")
+    if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        unknown = sorted(set(value) - set(props))
+        if unknown:
+            raise SpecError(f"{path}: unknown field(s) {', '.join(unknown)}")
+        for key, item in value.items():
+            _check(props[key], item, f"{path}.{key}")
+    elif "additionalProperties" in schema:
+        for key, item in value.items():
+            _check(schema["additionalProperties"], item, f"{path}.{key}")
 
 
 def normalize(spec: Mapping[str, Any] | None) -> dict[str, Any]:

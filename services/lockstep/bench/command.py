@@ -19,24 +19,24 @@ from lockstep.bench.tiny_model import build_tiny_model
 from lockstep.bench.workload import BenchConfig, make_workload
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low, refused with a message naming what was given."""
+    words = "a positive integer" if low == 1 else f"an integer >= {low}"
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {words}, got {value}")
+        return value
+
+    return read
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
