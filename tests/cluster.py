@@ -1,7 +1,8 @@
 """Real local groups for integration tests: `lockstep rank` processes and a `lockstep coordinator` process.
 
 The processes are the ones a pod runs, started with their real command lines, talking real gRPC
-and real gloo collectives on 127.0.0.1.
+and real gloo collectives on 127.0.0.1. Like the operator's pods, the ranks and the coordinator share a
+group token, passed by environment (`group_token=False` starts them without one).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -43,8 +45,9 @@ class Cluster:
 
     def __init__(self, model_dir: Path, tp: int = 2, kv_pages: list[int] | int = 128, page_size: int = 16,
                  coordinator_args: list[str] | None = None, log_dir: Path | None = None,
-                 prefix_caching: bool = True, groups: int = 1) -> None:
+                 prefix_caching: bool = True, groups: int = 1, group_token: bool = True) -> None:
         self.model_dir = model_dir
+        self.token = secrets.token_urlsafe(16) if group_token else None
         self.tp = tp
         self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
         self.pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
@@ -77,12 +80,12 @@ class Cluster:
                 "--grpc-port", str(self.grpc_port), "--page-size", str(self.page_size), *self.coordinator_args]
         if not self.prefix_caching:
             cmd.append("--no-prefix-caching")
-        self.coordinator = self._spawn(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, "coordinator")
+        self.coordinator = self._spawn(cmd, self._env(), "coordinator")
 
     def start_ranks(self, group: int = 0) -> None:
         """(Re)start every rank of a group as a new group at the same addresses, as the operator does."""
         rendezvous = f"127.0.0.1:{free_port()}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = self._env()
         procs = self.group_ranks[group] = []
         for r in range(self.tp):
             cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(self.tp),
@@ -92,6 +95,10 @@ class Cluster:
             if not self.prefix_caching:
                 cmd.append("--no-prefix-caching")
             procs.append(self._spawn(cmd, env, f"g{group}-rank{r}"))
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCKSTEP_GROUP_TOKEN", "LOCKSTEP_GROUP_TOKEN_FILE")}
+        return env | {"OMP_NUM_THREADS": "1"} | ({"LOCKSTEP_GROUP_TOKEN": self.token} if self.token else {})
 
     def _spawn(self, cmd: list[str], env: dict, name: str) -> subprocess.Popen:
         path = self.log_dir / f"lockstep-{name}-{os.getpid()}-{time.monotonic_ns()}.log"

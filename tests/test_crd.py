@@ -126,7 +126,7 @@ def test_defaults_match_the_command_line_contract() -> None:
     assert full["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert full["kvCache"] == {"pageSize": 16, "memoryFraction": 0.9, "pages": 0, "prefixCaching": True}
     assert full["scheduler"] == {"maxNumBatchedTokens": 512, "maxNumSeqs": 64}
-    assert full["agreement"] == {"stallThresholdSeconds": 5, "deadRankTimeoutSeconds": 30, "replayTimeoutSeconds": 0}
+    assert full["agreement"] == {"stallThresholdSeconds": 5, "deadRankTimeoutSeconds": 30, "replayTimeoutSeconds": 300}
     assert full["coordinator"]["httpPort"] == 8000 and full["coordinator"]["grpcPort"] == 8001
 
 

@@ -202,6 +202,8 @@ def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, 
         status, body = c.complete({"prompt": prompt(799, 30), "max_tokens": 200, "ignore_eos": True})
         assert status == 400 and body["error"]["code"] == "request_too_large", body
         assert "smallest rank pool holds 10" in body["error"]["message"]
+        status, body = c.complete({"prompt": prompt(799, 30), "max_tokens": 200, "ignore_eos": True, "stream": True})
+        assert status == 400 and body["error"]["code"] == "request_too_large", body  # a status, not a 200 stream
         status, body = c.complete({"prompt": prompt(798, 30), "ignore_eos": True})  # no max_tokens: what fits
         assert status == 200 and body["usage"]["completion_tokens"] == 10 * 16 - 30, body
         assert "refused by the ranks" not in c.log(c.coordinator), "a rank was asked for more than it had"
@@ -212,7 +214,7 @@ def test_smaller_pool_on_one_rank_preempts_and_completes(tiny_llama, reference, 
 
 def test_killed_rank_fails_requests_with_503_then_a_new_group_serves(tiny_llama, tmp_path):
     c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path,
-                coordinator_args=["--stall-threshold", "1", "--dead-rank-timeout", "5"])
+                coordinator_args=["--stall-threshold", "1", "--dead-rank-timeout", "5", "--replay-timeout", "0"])
     try:
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(c.complete, {"prompt": prompt(800, 10), "max_tokens": 480, "ignore_eos": True})

@@ -13,6 +13,7 @@ from checkpoints import random_prompt as prompt
 from cluster import Cluster, http
 from lockstep import wire
 from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
+from lockstep.rank_auth import TOKEN_METADATA_KEY
 from lockstep.steps import Plan
 
 
@@ -69,17 +70,19 @@ def test_a_new_coordinator_catches_up_a_rank_left_one_step_behind(tiny_llama, tm
         c.coordinator.send_signal(signal.SIGKILL)
         c.coordinator.wait()
         stub = rank_pb2_grpc.RankServiceStub(channel)
-        step = stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step + 1
+        auth = ((TOKEN_METADATA_KEY, c.token),)
+        step = stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step + 1
 
         def plans():
             yield wire.plan_to_proto(Plan(step=step))  # to rank 0 only, as a coordinator killed mid-write
             sent.wait()
 
-        call = stub.Step(plans())  # kept: a dropped call is cancelled
+        call = stub.Step(plans(), metadata=auth)  # kept: a dropped call is cancelled
         deadline = time.monotonic() + 20
-        while stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step != step and time.monotonic() < deadline:
+        while stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step != step \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert stub.Info(rank_pb2.InfoRequest(), timeout=5).last_step == step
+        assert stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step == step
         c.start_coordinator()
         c.wait_healthy(timeout=60)
         assert complete(c, prompt(3, 20), 4)["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
@@ -174,6 +177,38 @@ def test_a_single_group_keeps_its_requests_until_it_is_whole_again(tiny_llama, t
         assert body["choices"][0]["token_ids"] == complete(c, p, 300)["choices"][0]["token_ids"]
         assert sum(c.metric("lockstep_requests_dropped_total")) == 0
         assert c.metric("lockstep_routing_decisions_total", group="g0", reason="least_loaded") == [2.0]
+        c.assert_no_leak()
+    finally:
+        c.close()
+
+
+def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(tiny_llama, tmp_path):
+    """Overload is an answer, not a queue that grows for ever: past --max-waiting-requests a new request is
+    refused with 503 and Retry-After, and the queued ones still finish."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path,
+                coordinator_args=["--max-num-seqs", "1", "--max-waiting-requests", "1"])
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futs = []
+            for i, state in enumerate(("running", "waiting")):  # one running (max_num_seqs 1), one waiting
+                futs.append(pool.submit(complete, c, prompt(70 + i, 20), 200))
+                deadline = time.monotonic() + 20
+                while sum(c.metric("lockstep_requests", state=state)) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            req = urllib.request.Request(c.url + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=30)
+                raise AssertionError("an overloaded coordinator took the request")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and int(exc.headers["Retry-After"]) >= 1
+                assert json.loads(exc.read())["error"]["code"] == "server_overloaded"
+            assert all(len(f.result(timeout=120)["choices"][0]["token_ids"]) == 200 for f in futs)
         c.assert_no_leak()
     finally:
         c.close()

@@ -35,7 +35,7 @@ def declare(k: kmock.KubernetesEmulator) -> None:
     k.resources["lockstep.dev/v1alpha1/lockstepdeployments"] = info(
         kind="LockstepDeployment", singular="lockstepdeployment", namespaced=True, verbs=verbs,
         subresources={"status"})
-    for key, kind in [("v1/pods", "Pod"), ("v1/services", "Service"), ("v1/events", "Event"),
+    for key, kind in [("v1/pods", "Pod"), ("v1/services", "Service"), ("v1/events", "Event"), ("v1/secrets", "Secret"),
                       ("apps/v1/statefulsets", "StatefulSet"), ("apps/v1/deployments", "Deployment"),
                       ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
         k.resources[key] = info(kind=kind, namespaced=True, verbs=verbs)
@@ -263,4 +263,42 @@ def test_rolling_a_group_settles_its_pending_recreate() -> None:
         assert await asyncio.to_thread(kube.get, "Pod", NS, "demo-g0-0") is not None, "fresh group recreated"
         status = (await asyncio.to_thread(kube.get, "LockstepDeployment", NS, "demo"))["status"]
         assert status["groups"][0]["restarts"] == 0
+    run(scenario)
+
+
+def test_group_token_secret_is_created_once_never_read_and_mounted() -> None:
+    """One Secret per deployment, owned by it; a reconcile never rotates it, and the operator never reads it."""
+    def secrets_requests() -> list[str]:
+        return [r.method.value for r in list(k_ref[0]) if r.resource is not None and r.resource.plural == "secrets"]
+
+    def token() -> str | None:
+        try:
+            return k_ref[0].objects["v1/secrets", NS, "demo-group-token"].raw["data"]["token"]
+        except KeyError:
+            return None
+
+    k_ref: list[kmock.KubernetesEmulator] = []
+
+    async def scenario(kube: Kube, k: kmock.KubernetesEmulator) -> None:
+        k_ref.append(k)
+        await asyncio.to_thread(kube.create, cr({"model": {"path": "/m"}, "tensorParallelSize": 2}))
+        await until(lambda: kube.get("Deployment", NS, "demo-coordinator"))
+        first = await until(token)
+        secret = k.objects["v1/secrets", NS, "demo-group-token"].raw
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-demo" and secret["immutable"] is True
+        sts = await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g0")
+        dep = await asyncio.to_thread(kube.get, "Deployment", NS, "demo-coordinator")
+        for pod in (sts["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]):
+            assert {"name": "group-token", "secret": {"secretName": "demo-group-token", "items": [
+                {"key": "token", "path": "token"}]}} in pod["volumes"]
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            assert env["LOCKSTEP_GROUP_TOKEN_FILE"] == "/var/run/lockstep/group-token/token"
+
+        before = len(secrets_requests())
+        await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
+                                {"metadata": {"generation": 2}, "spec": {"tensorParallelSize": 3}})
+        await until(lambda: kube.get("StatefulSet", NS, "demo-g0")["spec"]["replicas"] == 3)
+        await until(lambda: len(secrets_requests()) > before)  # the update's reconcile asked to create it again
+        assert token() == first, "a reconcile must never rotate the group token"
+        assert set(secrets_requests()) == {"POST"}, "the operator creates the Secret and never reads it"
     run(scenario)

@@ -155,7 +155,7 @@ def test_kv_and_agreement_settings_reach_the_commands() -> None:
     coord_env = env_of(by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]["containers"][0])
     assert coord_env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "2"
     assert coord_env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "12"
-    assert coord_env["LOCKSTEP_REPLAY_TIMEOUT_SECONDS"] == "0"
+    assert coord_env["LOCKSTEP_REPLAY_TIMEOUT_SECONDS"] == "300"
     assert coord_env["LOCKSTEP_PREFIX_CACHING"] == "0"
 
 
@@ -179,3 +179,24 @@ def test_group_objects_carry_their_index_but_the_pod_template_does_not() -> None
         assert m.LABEL_GROUP_INDEX not in sts["selector"]["matchLabels"], "a selector cannot change"
     _, objs = build("tp3x2")
     assert by(objs, "NetworkPolicy", "demo-g1")["metadata"]["labels"][m.LABEL_GROUP_INDEX] == "1"
+
+
+def test_group_token_secret_is_mounted_by_every_rank_and_the_coordinator() -> None:
+    import base64
+
+    secret = m.group_token_secret("demo", "ml", "tok-123")
+    kubernetes_validate.validate(secret, "1.33", strict=True)
+    assert secret["metadata"]["name"] == m.group_token_secret_name("demo") == "demo-group-token"
+    assert secret["immutable"] is True and base64.b64decode(secret["data"]["token"]) == b"tok-123"
+    _, objs = build("tp3x2")
+    assert not [o for o in objs if o["kind"] == "Secret"], "the random Secret is created once, never applied"
+    pods = [by(objs, "StatefulSet", g)["spec"]["template"]["spec"] for g in ("demo-g0", "demo-g1")]
+    pods.append(by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"])
+    for pod in pods:
+        (c,) = pod["containers"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == "demo-group-token"
+        (mount,) = [mt for mt in c["volumeMounts"] if mt["name"] == volume["name"]]
+        assert mount["readOnly"] is True
+        assert env_of(c)["LOCKSTEP_GROUP_TOKEN_FILE"] == f"{mount['mountPath']}/token"
+        assert "LOCKSTEP_GROUP_TOKEN" not in env_of(c), "the token itself is never in a pod spec"

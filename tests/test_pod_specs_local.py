@@ -5,11 +5,14 @@ namespace), DNS (pod and Service names resolve to 127.0.0.1) and volumes (host d
 pod here shares one host, every declared container port of every pod is remapped to its own free local
 port, and every `host:port` and `*_PORT` value in an env var or an argument is rewritten through that
 map, generically: nothing here knows which variable holds which address, so a spec that wires a rank to
-the wrong pod, a port no pod declares or a name no Service has fails here.
+the wrong pod, a port no pod declares or a name no Service has fails here. Secret volumes are written
+from the Secrets given with the objects (the group token Secret the operator creates), so a pod that
+names a Secret or a key that does not exist fails here too.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -28,10 +31,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import http
 from lockstep.local_group import free_port
-from lockstep_operator.manifests import build_all
+from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
+from lockstep_operator.manifests import build_all, group_token_secret
 from lockstep_operator.resource import normalize
 
 NAME, NAMESPACE, TP = "tiny", "ml", 2
+TOKEN = "local-group-token-for-the-pod-specs"  # what the operator's Secret would hold
 HOST_PORT = re.compile(r"(?<![\w.-])([A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):(\d{1,5})(?![\w.])")
 BIND_ALL = ("0.0.0.0", "::", "127.0.0.1", "localhost")
 
@@ -65,6 +70,7 @@ class LocalKubelet:
         self.namespace, self.domain, self.workdir = namespace, cluster_domain, workdir
         self.host_paths = host_paths  # hostPath / PVC claim name -> local directory
         self.services = [o for o in objects if o["kind"] == "Service"]
+        self.secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
         self.pods: list[Pod] = []
         for obj in objects:
             if obj["kind"] == "StatefulSet":
@@ -138,6 +144,8 @@ class LocalKubelet:
                 local = self.host_paths[vol["hostPath"]["path"]]
             elif "persistentVolumeClaim" in vol:
                 local = self.host_paths[vol["persistentVolumeClaim"]["claimName"]]
+            elif "secret" in vol:
+                local = self._secret_files(pod, vol)
             elif "emptyDir" in vol:
                 local = self.workdir / pod.name / m["name"]
                 local.mkdir(parents=True, exist_ok=True)
@@ -145,6 +153,22 @@ class LocalKubelet:
                 raise ValueError(f"pod {pod.name}: volume {m['name']} of an unsupported kind: {vol}")
             out.append((m["mountPath"].rstrip("/"), local / m.get("subPath", "")))
         return sorted(out, key=lambda mp: len(mp[0]), reverse=True)
+
+    def _secret_files(self, pod: Pod, volume: dict) -> Path:
+        """A Secret volume as the kubelet makes it: one file per item (or per key), read-only."""
+        source = volume["secret"]
+        secret = self.secrets.get(source["secretName"])
+        if secret is None:
+            raise ValueError(f"pod {pod.name}: volume {volume['name']} names Secret {source['secretName']!r}, "
+                             "which does not exist")
+        local = self.workdir / pod.name / volume["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        for item in source.get("items") or [{"key": k, "path": k} for k in secret["data"]]:
+            if item["key"] not in secret["data"]:
+                raise ValueError(f"pod {pod.name}: Secret {source['secretName']} has no key {item['key']!r}")
+            (local / item["path"]).write_bytes(base64.b64decode(secret["data"][item["key"]]))
+            (local / item["path"]).chmod(0o444)
+        return local
 
     def _downward(self, pod: Pod, source: dict) -> str:
         path = source.get("fieldRef", {}).get("fieldPath")
@@ -231,8 +255,8 @@ def spec(model_dir: Path) -> dict[str, Any]:
 @pytest.fixture
 def kubelet(tiny_llama, tmp_path):
     s = spec(tiny_llama)
-    k = LocalKubelet(build_all(NAME, NAMESPACE, s), NAMESPACE, s["clusterDomain"],
-                     {"/srv/models": tiny_llama.parent}, tmp_path)
+    objects = [*build_all(NAME, NAMESPACE, s), group_token_secret(NAME, NAMESPACE, TOKEN)]
+    k = LocalKubelet(objects, NAMESPACE, s["clusterDomain"], {"/srv/models": tiny_llama.parent}, tmp_path)
     yield k
     k.stop()
 
@@ -262,6 +286,9 @@ def test_rewritten_env_wires_every_rank_to_its_own_pod(kubelet: LocalKubelet, ti
     assert coord_env["LOCKSTEP_GROUPS"] == "g0=" + ",".join(f"127.0.0.1:{p}" for p in grpc_ports)
     assert coord_env["LOCKSTEP_MODEL"] == str(tiny_llama)
     assert int(coord_env["LOCKSTEP_HTTP_PORT"]) == kubelet.service_port(NAME, "http")
+    # Every rank and the coordinator read the same group token from the Secret's mounted file.
+    for env in [*envs, coord_env]:
+        assert Path(env["LOCKSTEP_GROUP_TOKEN_FILE"]).read_text() == TOKEN and "LOCKSTEP_GROUP_TOKEN" not in env
 
 
 def test_unknown_address_is_refused(kubelet: LocalKubelet) -> None:
@@ -306,6 +333,10 @@ def test_operator_pod_specs_serve_a_request(kubelet: LocalKubelet, tiny_llama: P
     for pod in rank_pods:
         (rank_container,) = pod.spec["containers"]
         assert grpc_serving(pod.local_port(rank_container["readinessProbe"]["grpc"]["port"])), pod.log()
+        with grpc.insecure_channel(f"127.0.0.1:{pod.local_port('grpc')}") as channel:  # but not to strangers
+            with pytest.raises(grpc.RpcError) as refused:
+                rank_pb2_grpc.RankServiceStub(channel).Info(rank_pb2.InfoRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     # Clients come in through the Service, by port name, as the operator's status endpoint says.
     url = f"http://127.0.0.1:{kubelet.service_port(NAME, 'http')}"

@@ -316,7 +316,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_rank(port: int, load_seconds: float) -> subprocess.Popen:
+def _start_rank(port: int, load_seconds: float, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     tests = Path(__file__).parent
     code = (
         f"import logging, sys; sys.path.insert(0, {str(tests)!r}); logging.basicConfig(level=logging.INFO);"
@@ -330,6 +330,7 @@ def _start_rank(port: int, load_seconds: float) -> subprocess.Popen:
         "LOCKSTEP_WORLD_SIZE": "2",
         "LOCKSTEP_GRPC_PORT": str(port),
         "TEST_ENGINE_LOAD_SECONDS": str(load_seconds),
+        **(extra_env or {}),
     }
     argv = ["--host", "127.0.0.1", "--threads", "1", "--kv-pages", "8"]
     return subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=subprocess.PIPE, text=True)

@@ -7,6 +7,7 @@ import pytest
 
 from lockstep.coordinator.request import Request
 from lockstep.coordinator.scheduler import PREEMPTED
+from lockstep.steps import Report
 from sim_ranks import Group, make_sched, reference
 
 
@@ -69,9 +70,9 @@ def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
     a_sched.requeue_all()
     b_sched = make_sched(budget=32)
     b = Group(b_sched, [32])
-    b_sched.adopt(req)
+    b_sched.adopt([req])
     with pytest.raises(ValueError, match="already in use"):
-        b_sched.adopt(req)
+        b_sched.adopt([req])
     b.run_step()
     b.run_step()
     first = next(c for p in b.plans for c in p.batch if c.request_id == "r")
@@ -79,3 +80,43 @@ def test_a_request_adopted_from_a_dead_group_resumes_where_it_was():
     assert first.sample and first.sample_index == len(kept)
     b.run()
     assert req.generated[: len(kept)] == kept and req.generated == reference(req)
+
+
+def test_adopted_requests_keep_their_arrival_order_ahead_of_waiting_ones():
+    """Bug fix: a group's requests moved to another one were adopted one at a time, each in front, so they
+    were served newest first."""
+    a_sched = make_sched(budget=64, caching=False)
+    olds = [Request(f"old{i}", list(range(1 + i, 11 + i)), max_tokens=4) for i in range(3)]
+    for r in olds:
+        a_sched.add(r)
+    a_sched.requeue_all()
+    b_sched = make_sched(budget=64, max_model_len=128)
+    b_sched.add(Request("new", list(range(40, 50)), max_tokens=4))
+    b_sched.adopt(list(a_sched.requests.values()))
+    assert [r.request_id for r in b_sched.waiting] == ["old0", "old1", "old2", "new"]
+    too_long = Request("long", list(range(1, 11)), max_tokens=10_000)
+    with pytest.raises(ValueError, match="exceed the model's"):
+        b_sched.adopt([too_long])
+    assert [r.request_id for r in b_sched.waiting] == ["old0", "old1", "old2", "new"]  # all or none
+
+
+def test_an_error_report_without_pools_does_not_stop_the_next_plan():
+    """Bug fix: a rank that refuses a plan it could not read reports no pool states; the next plan raised
+    "has no pool states" and the group's loop failed. The rank's last known pools stand in."""
+    sched = make_sched(ranks=2, caching=False)
+    g = Group(sched, [30, 30], caching=False)
+    req = Request("a", [1, 2, 3], max_tokens=6)
+    sched.add(req)
+    g.run_step()
+    g.run_step()
+    plan = sched.plan(g.step, g.reports)
+    reports = [Report(plan.step, 0, error="another rank of the group refused this step", pools=g.reports[0].pools),
+               Report(plan.step, 1, error="out of order: expected step 3, got 4")]  # no pools
+    sched.apply(reports)
+    nxt = sched.plan(plan.step + 1, reports)
+    assert [c.request_id for c in nxt.batch] == ["a"]  # planned again as it was, from the last known pools
+    fresh = make_sched(ranks=2, caching=False)
+    fresh.add(Request("b", [1, 2], max_tokens=2))
+    fresh.plan(0, [])
+    fresh.apply([Report(0, r, error="unreadable plan") for r in range(2)])
+    assert fresh.plan(1, [Report(0, r, error="unreadable plan") for r in range(2)]).batch == ()  # none known yet

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -67,26 +69,108 @@ def test_serve_runs_a_group_and_stops_all_of_it(tiny_llama, tmp_path):
         log.close()
 
 
-def test_serve_stops_when_a_rank_dies(tiny_llama, tmp_path):
+def _sse_tokens(text: str) -> list[int]:
+    ids = []
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                ids += choice.get("token_ids", [])
+    return ids
+
+
+def test_serve_brings_its_group_back_when_a_rank_dies_and_finishes_every_request(tiny_llama, tmp_path):
+    """Each rank in turn is killed (-9) while a request runs, one of them streaming: `lockstep serve` stops
+    the survivors, starts the whole group again, and every request ends with exactly the tokens of an
+    undisturbed run; none is dropped."""
     port = free_port()
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
          "--kv-pages", "64", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and http_ok(port) is False:
-            assert proc.poll() is None
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             time.sleep(0.3)
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-        ranks[0].kill()
-        assert proc.wait(timeout=30) != 0
-        _, alive = psutil.wait_procs(ranks, timeout=15)
-        assert not alive
+        status, first = http("POST", url + "/v1/completions", body)
+        assert status == 200, first
+        undisturbed = first["choices"][0]["token_ids"]
+        for victim, stream in ((0, False), (1, True)):
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+            assert len(ranks) == 2
+            with ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(http, "POST", url + "/v1/completions", {**body, "stream": stream}, 120)
+                time.sleep(0.4)
+                ranks[victim].kill()
+                status, got = fut.result(timeout=120)
+            assert status == 200, got
+            tokens = _sse_tokens(got) if stream else got["choices"][0]["token_ids"]
+            assert tokens == undisturbed, (victim, stream)
+        text = (tmp_path / "serve.log").read_text()
+        assert text.count("restarting the group") == 2, text
+        status, metrics = http("GET", url + "/metrics")
+        assert "lockstep_requests_dropped_total{group=\"g0\"} 0.0" in metrics
+        assert proc.poll() is None
     finally:
-        if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_then_declared_dead_and_its_group_recreated(tiny_llama, tmp_path):
+    """SIGSTOP a rank under load: past the stall threshold the stall gauge reads 1 and the log names the
+    rank as not responding; past the dead-rank timeout the group goes down, the survivor's collective times
+    out, `lockstep serve` recreates the group, and the request ends with the undisturbed tokens."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
+         "--kv-pages", "64", "--threads", "1", "--stall-threshold", "1", "--dead-rank-timeout", "6"],
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS": "6"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": list(range(7, 27)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and http_ok(port) is False:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        undisturbed = http("POST", url + "/v1/completions", body)[1]["choices"][0]["token_ids"]
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(http, "POST", url + "/v1/completions", body, 180)
+            time.sleep(0.4)
+            ranks[1].suspend()
+            stalled = 0.0
+            while time.monotonic() - t0 < 5 and not stalled:
+                metrics = http("GET", url + "/metrics")[1]
+                stalled = float(re.search(r'lockstep_agreements_stalled\{group="g0"\} (\S+)', metrics).group(1))
+                time.sleep(0.2)
+            assert stalled == 1.0
+            status, got = fut.result(timeout=180)
+        assert status == 200 and got["choices"][0]["token_ids"] == undisturbed
+        text = (tmp_path / "serve.log").read_text()
+        assert "not responding at all: [1]" in text and "restarting the group" in text, text
+        print(f"recovered in {time.monotonic() - t0:.1f} s")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def http_ok(port: int) -> bool:

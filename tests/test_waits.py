@@ -72,7 +72,7 @@ def test_a_clock_that_steps_back_never_counts_negative_time():
 
 
 def test_one_step_behind_names_the_ranks_a_dead_coordinator_left_behind():
-    from lockstep.coordinator.group import one_step_behind
+    from lockstep.coordinator.group_ranks import one_step_behind
     from lockstep.steps import RankInfo
 
     def infos(*steps: int) -> list[RankInfo]:

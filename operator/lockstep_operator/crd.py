@@ -127,7 +127,7 @@ def _runtime_schemas() -> dict[str, Schema]:
                                               description="A longer agreement wait is stalled."),
                 "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
                                                description="A rank silent this long is dead."),
-                "replayTimeoutSeconds": _num(0, None, 0, description=(
+                "replayTimeoutSeconds": _num(0, None, 300, description=(
                     "How long the requests of a group that went down wait for a group to take them when "
                     "no other is up (0: they fail at once with a retriable 503).")),
             },

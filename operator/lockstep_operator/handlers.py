@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -28,7 +29,7 @@ from lockstep_operator.decisions import (
     invalid_status,
     recreate_reason,
 )
-from lockstep_operator.kube import Kube, default_api_client
+from lockstep_operator.kube import Kube, KubeError, default_api_client
 from lockstep_operator.memory import MEMO_KEY, MEMO_KUBE, OperatorMemory
 from lockstep_operator.observe import GroupState, Observed, PodState, observe, pod_state
 from lockstep_operator.resource import SpecError, check_name, normalize
@@ -107,6 +108,7 @@ def reconcile(body: kopf.Body, name: str, namespace: str, logger: logging.Logger
     spec = _spec_or_report(memory, body)
     owner = dict(body)
     with memory.lock(namespace, name):
+        _create_group_token(memory, owner, logger)
         observed = _observe(memory, owner, spec)
         rollout = decide_rollout(observed.groups)
         _apply_groups(memory, owner, spec, rollout, logger)
@@ -120,6 +122,20 @@ def reconcile(body: kopf.Body, name: str, namespace: str, logger: logging.Logger
         _write_status(memory, namespace, name, spec, body.metadata.get("generation"))
     if rollout.retry:
         raise kopf.TemporaryError(rollout.retry, delay=RETRY_SECONDS)
+
+
+def _create_group_token(memory: OperatorMemory, owner: dict[str, Any], logger: logging.Logger) -> None:
+    """Create the deployment's group token Secret if it is not there; one that is stays as it is. The
+    operator only ever creates Secrets (it needs no right to read them): AlreadyExists means done."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    secret = _owned(m.group_token_secret(name, namespace, secrets.token_urlsafe(32)), owner)
+    try:
+        memory.kube.create(secret)
+    except KubeError as e:
+        if e.status != 409:
+            raise
+        return
+    logger.info(f"group token: Secret {secret['metadata']['name']} created")
 
 
 def _apply_groups(memory: OperatorMemory, owner: dict[str, Any], spec: dict[str, Any], rollout: Rollout,

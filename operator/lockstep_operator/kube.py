@@ -17,6 +17,7 @@ from lockstep_operator.crd import GROUP, PLURAL, VERSION
 PATHS: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Service": ("/api/v1", "services"),
+    "Secret": ("/api/v1", "secrets"),  # created only, never read: the group token
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),

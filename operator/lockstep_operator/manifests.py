@@ -2,10 +2,15 @@
 
 Nothing here talks to a cluster, so every object the operator can create is testable (and validated
 against the Kubernetes schemas) without one. Ownership (`kopf.adopt`) is added by the handlers.
+
+The group token Secret (`group_token_secret`) is not in `build_all`: it holds a random value, so the
+handlers create it once and never apply it again (a reconcile must not rotate it). Ranks and the
+coordinator read it from a mounted file (`LOCKSTEP_GROUP_TOKEN_FILE`), never from the pod spec.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from typing import Any
@@ -16,6 +21,9 @@ RANK_GRPC_PORT = 50051
 RANK_STORE_PORT = 29500
 MODEL_MOUNT = "/models"
 CACHE_MOUNT = "/cache"
+GROUP_TOKEN_KEY = "token"
+GROUP_TOKEN_VOLUME = "group-token"
+GROUP_TOKEN_MOUNT = "/var/run/lockstep/group-token"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -37,6 +45,11 @@ def group_name(name: str, index: int) -> str:
 
 def coordinator_name(name: str) -> str:
     return f"{name}-coordinator"
+
+
+def group_token_secret_name(name: str) -> str:
+    """The Secret holding the group token that the deployment's ranks and coordinator share."""
+    return f"{name}-group-token"
 
 
 def selector(name: str, component: str, group: str | None = None) -> dict[str, str]:
@@ -105,9 +118,35 @@ def _common_env(spec: dict[str, Any], model_path: str) -> dict[str, str]:
         "LOCKSTEP_MODEL": model_path,
         "LOCKSTEP_PAGE_SIZE": str(spec["kvCache"]["pageSize"]),
         "LOCKSTEP_PREFIX_CACHING": "1" if spec["kvCache"]["prefixCaching"] else "0",
+        # a rank stuck in a collective without its peer exits soon after the coordinator gives up on the peer
+        "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS": str(2 * spec["agreement"]["deadRankTimeoutSeconds"]),
         "XDG_CACHE_HOME": CACHE_MOUNT,
     }
-    return env
+    return env | _token_mount()[0]
+
+
+def _token_volume(name: str) -> Manifest:
+    return {"name": GROUP_TOKEN_VOLUME, "secret": {"secretName": group_token_secret_name(name),
+                                                    "items": [{"key": GROUP_TOKEN_KEY, "path": GROUP_TOKEN_KEY}]}}
+
+
+def _token_mount() -> tuple[dict[str, str], Manifest]:
+    """The env that names the token file, and the read-only mount that holds it."""
+    return ({"LOCKSTEP_GROUP_TOKEN_FILE": f"{GROUP_TOKEN_MOUNT}/{GROUP_TOKEN_KEY}"},
+            {"name": GROUP_TOKEN_VOLUME, "mountPath": GROUP_TOKEN_MOUNT, "readOnly": True})
+
+
+def group_token_secret(name: str, namespace: str, token: str) -> Manifest:
+    """The deployment's group token; immutable, so that only deleting it (and restarting the pods) rotates it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": group_token_secret_name(name), "namespace": namespace,
+                     "labels": _labels(name, "group-token")},
+        "type": "Opaque",
+        "immutable": True,
+        "data": {GROUP_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
 
 
 def _pod_extras(spec: dict[str, Any]) -> Manifest:
@@ -152,13 +191,13 @@ def rank_pod_template(name: str, namespace: str, spec: dict[str, Any], index: in
         "startupProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 90},
         "readinessProbe": grpc_probe | {"periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()[1]],
     }
     template: Manifest = {
         "metadata": {"labels": _labels(name, "rank", g)},
         "spec": {
             "containers": [container],
-            "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+            "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, _token_volume(name)],
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
         } | _pod_extras(spec),
@@ -251,7 +290,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         # alive as long as it serves HTTP, so a down group never restarts the coordinator.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + [_token_mount()[1]],
     }
     pod_extras = {k: v for k, v in _pod_extras(spec).items() if k in ("nodeSelector", "imagePullSecrets")}
     return {
@@ -265,7 +304,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
             "selector": {"matchLabels": selector(name, "coordinator")},
             "template": {
                 "metadata": {"labels": _labels(name, "coordinator")},
-                "spec": {"containers": [container], "volumes": volumes,
+                "spec": {"containers": [container], "volumes": volumes + [_token_volume(name)],
                          "enableServiceLinks": False} | pod_extras,
             },
         },

@@ -74,7 +74,8 @@ class Engine:
             model_dir = ensure_builtin_model()
         dtype = getattr(torch, cfg.dtype)
         device = pick_device(cfg.rank)
-        comm = single_comm() if cfg.world_size == 1 else init_comm(cfg.rank, cfg.world_size, cfg.rendezvous, device)
+        comm = single_comm() if cfg.world_size == 1 else init_comm(
+            cfg.rank, cfg.world_size, cfg.rendezvous, device, collective_timeout_s=cfg.collective_timeout_s)
         model = load_model(model_dir, comm, device, dtype)
         config = model.config
         kv_pages = cfg.kv_pages

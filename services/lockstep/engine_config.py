@@ -30,6 +30,7 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     prefix_caching: bool = True
     dtype: str = "float32"
+    collective_timeout_s: float = 60.0  # a collective whose peer never comes fails after this: the group is broken
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 1:
@@ -44,5 +45,7 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if not re.fullmatch(r".+:\d+", self.rendezvous):
             raise ValueError(f"rendezvous must be host:port, got {self.rendezvous!r}")
+        if not 0 < self.collective_timeout_s <= 86400:
+            raise ValueError(f"collective_timeout_s must be in (0, 86400], got {self.collective_timeout_s}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

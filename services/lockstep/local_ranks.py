@@ -6,11 +6,15 @@ same flags, so what they measure and serve is what a cluster runs.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from lockstep.local_group import free_port
 
 
 def rank_command(rank: int, world_size: int, rendezvous: str, port: int, model: str | Path, page_size: int,
@@ -36,3 +40,54 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+class LocalRanks:
+    """One local group's rank processes, supervised as the operator supervises pods: when one dies, the
+    others are stopped and the whole group starts again with a fresh rendezvous (a torch.distributed
+    group cannot take a new member), at the same ports, so the coordinator finds it where it was.
+
+    `commands(rendezvous)` gives every rank's command line. A group that keeps dying within
+    `quick_s` of its start is given up after `max_quick_failures` tries, with a growing pause between.
+    """
+
+    def __init__(self, commands: Callable[[str], list[list[str]]], env: Mapping[str, str],
+                 quick_s: float = 30.0, max_quick_failures: int = 5) -> None:
+        self.commands = commands
+        self.env = dict(env)
+        self.quick_s = quick_s
+        self.max_quick_failures = max_quick_failures
+        self.procs: list[subprocess.Popen] = []
+        self.started_at = 0.0
+        self.restarts = 0
+
+    def start(self) -> None:
+        rendezvous = f"127.0.0.1:{free_port()}"
+        self.procs = [subprocess.Popen(cmd, env=self.env, start_new_session=True) for cmd in self.commands(rendezvous)]
+        self.started_at = time.monotonic()
+
+    async def supervise(self, progress: Callable[[str], None]) -> None:
+        """Keep the group up; returns only when it cannot be kept up (it died too often, too soon)."""
+        quick = 0
+        while True:
+            rank, code = await self._first_exit()
+            quick = quick + 1 if time.monotonic() - self.started_at < self.quick_s else 0
+            if quick >= self.max_quick_failures:
+                progress(f"rank {rank} exited with code {code}; the group died {quick} times within "
+                         f"{self.quick_s:.0f} s of starting, giving up")
+                return
+            self.restarts += 1
+            progress(f"rank {rank} exited with code {code}; restarting the group (restart {self.restarts})")
+            await asyncio.to_thread(stop_processes, self.procs)
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** quick))
+            self.start()
+
+    async def _first_exit(self) -> tuple[int, int]:
+        while True:
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    return i, p.returncode
+            await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_processes(self.procs)

@@ -1,7 +1,8 @@
 """`lockstep serve`: a coordinator and N rank processes on this machine, supervised as one.
 
 The ranks are the same `lockstep rank` processes a pod runs; the coordinator runs in this process.
-If any rank dies the supervisor stops the others and exits non-zero; Ctrl-C stops them all.
+If a rank dies, the supervisor stops the others and starts the whole group again (as the operator
+recreates a group), and the coordinator replays the requests it held there; Ctrl-C stops them all.
 """
 
 from __future__ import annotations
@@ -9,17 +10,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from lockstep.coordinator.config import SCHEDULING, CoordinatorConfig
+from lockstep.coordinator.auth import parse_api_keys
+from lockstep.coordinator.config import API_KEY_HELP, SCHEDULING, CoordinatorConfig
 from lockstep.local_group import free_port
-from lockstep.local_ranks import rank_command, stop_processes
+from lockstep.local_ranks import LocalRanks, rank_command
 from lockstep.model.config import ModelConfig
 from lockstep.parallel.sharding import valid_tp_sizes
+from lockstep.rank_auth import RankClientAuth, env_with_token, new_token
 from lockstep.settings import add_settings, resolve
 
 
@@ -39,12 +41,14 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
     p.add_argument("--rank-kv-pages", action="append", default=[], metavar="RANK=PAGES",
                    help="testing knob: give one rank a different KV pool size")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / TP)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
     add_settings(p, SCHEDULING)
     args = p.parse_args(argv)
     for name, value in resolve(p, args, SCHEDULING, os.environ if env is None else env).items():
         setattr(args, name, value)
     try:
         args.rank_pages = _rank_pages(args.rank_kv_pages)
+        args.api_keys = parse_api_keys(args.api_key, (os.environ if env is None else env).get("LOCKSTEP_API_KEY", ""))
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -83,15 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tp = args.tp or default_tp(model_dir)
     threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
-    rendezvous = f"127.0.0.1:{free_port()}"
     ports = [free_port() for _ in range(tp)]
     say(f"starting {tp} rank(s) of {model_dir.name} (page size {args.page_size})")
-    procs = [subprocess.Popen(rank_command(r, tp, rendezvous, ports[r], model_dir, args.page_size,
-                                           args.rank_pages.get(r, args.kv_pages), threads, args.prefix_caching),
-                              start_new_session=True) for r in range(tp)]
-    config = CoordinatorConfig(
+    token = new_token()  # the ranks serve only this coordinator; by environment, never on a command line
+    ranks = LocalRanks(lambda rendezvous: [
+        rank_command(r, tp, rendezvous, ports[r], model_dir, args.page_size, args.rank_pages.get(r, args.kv_pages),
+                     threads, args.prefix_caching) for r in range(tp)], env_with_token(token, os.environ))
+    ranks.start()
+    config = CoordinatorConfig(rank_auth=RankClientAuth(token=token),
         groups={"g0": tuple(f"127.0.0.1:{p}" for p in ports)}, model=str(model_dir), host=args.host,
-        http_port=args.port, grpc_port=args.port + 1,
+        http_port=args.port, grpc_port=args.port + 1, api_keys=args.api_keys,
         **{s.dest: getattr(args, s.dest) for s in SCHEDULING},
     )
     from lockstep.coordinator.main import run
@@ -104,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(gRPC on {args.host}:{args.port + 1})", flush=True)
 
     try:
-        return asyncio.run(run(config, on_ready=ready, children=procs, progress=say))
+        return asyncio.run(run(config, on_ready=ready, supervise=ranks.supervise(say), progress=say))
     except KeyboardInterrupt:
         return 130
     finally:
-        stop_processes(procs)
+        ranks.stop()

@@ -7,6 +7,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lockstep.coordinator.auth import parse_api_keys
+from lockstep.rank_auth import COORDINATOR_SETTINGS as RANK_AUTH_SETTINGS
+from lockstep.rank_auth import RankClientAuth, client_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
 
 PORT = within(0, 65535)
@@ -25,13 +28,16 @@ class CoordinatorConfig:
     page_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    max_waiting_requests: int = 1024
     stall_threshold: float = 5.0
     dead_rank_timeout: float = 30.0
-    replay_timeout: float = 0.0
+    replay_timeout: float = 300.0
     prefix_caching: bool = True
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys of the HTTP and gRPC APIs; none: open
+    rank_auth: RankClientAuth = field(default_factory=RankClientAuth)  # group token and TLS towards the ranks
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -57,16 +63,23 @@ SCHEDULING = (
             "token budget of one step", at_least(1)),
     Setting("max_num_seqs", "--max-num-seqs", "LOCKSTEP_MAX_NUM_SEQS", integer, 64,
             "running requests per group", at_least(1)),
+    Setting("max_waiting_requests", "--max-waiting-requests", "LOCKSTEP_MAX_WAITING_REQUESTS", integer, 1024,
+            "requests the coordinator keeps waiting (over all groups) before it answers 503 with Retry-After",
+            at_least(1)),
     Setting("stall_threshold", "--stall-threshold", "LOCKSTEP_STALL_THRESHOLD_SECONDS", number, 5.0,
             "seconds after which an agreement wait counts as stalled", within(0, 86400, low_open=True)),
     Setting("dead_rank_timeout", "--dead-rank-timeout", "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS", number, 30.0,
             "seconds after which a silent rank is dead", within(0, 86400, low_open=True)),
-    Setting("replay_timeout", "--replay-timeout", "LOCKSTEP_REPLAY_TIMEOUT_SECONDS", number, 0.0,
+    Setting("replay_timeout", "--replay-timeout", "LOCKSTEP_REPLAY_TIMEOUT_SECONDS", number, 300.0,
             "how long the requests of a group that went down wait for a group to serve them "
             "(0: 503 at once when no other group is up)", within(0, 86400)),
     Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
             help="turn prefix caching off", switch=True, flag_value=False),
 )
+
+
+API_KEY_HELP = ("an API key clients must send as 'Authorization: Bearer KEY' on /v1/* and /admin/* and as gRPC "
+                "metadata (repeatable; env LOCKSTEP_API_KEY, comma-separated; default: none, an open API)")
 
 
 def parse_groups(items: list[str]) -> dict[str, tuple[str, ...]]:
@@ -92,10 +105,13 @@ def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -
                                             "and /metrics.")
     p.add_argument("--group", action="append", default=[],
                    help="NAME=HOST:PORT,HOST:PORT (ranks in order; repeatable; env LOCKSTEP_GROUPS, ';'-joined)")
-    add_settings(p, SETTINGS + SCHEDULING)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
+    add_settings(p, SETTINGS + SCHEDULING + RANK_AUTH_SETTINGS)
     args = p.parse_args(argv)
     values = resolve(p, args, SETTINGS + SCHEDULING, env)
     try:
+        values["api_keys"] = parse_api_keys(args.api_key, env.get("LOCKSTEP_API_KEY", ""))
+        values["rank_auth"] = client_auth(resolve(p, args, RANK_AUTH_SETTINGS, env), env)
         config = CoordinatorConfig(groups=parse_groups(args.group or [env.get("LOCKSTEP_GROUPS", "")]), **values)
     except ValueError as exc:
         p.error(str(exc))

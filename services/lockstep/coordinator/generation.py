@@ -9,6 +9,7 @@ and every rule here is tested without a server.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -18,7 +19,13 @@ from lockstep.coordinator.request import FinishReason
 from lockstep.steps import SamplingParams
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
 
+# The documented range of every request field (docs/commands.md and /openapi.json quote these).
 MAX_STOP_STRINGS = 4
+DEFAULT_RETRY_AFTER_S = 5  # a 503 that names no better time
+MAX_STOP_CHARS = 256  # a longer stop string would hold all output back until the end
+TEMPERATURE_MAX = 2.0
+TOP_K_MAX = (1 << 31) - 1
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 _KIND_NAMES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -26,9 +33,15 @@ class ApiError(Exception):
     """An error the client caused or can retry; both APIs render it (OpenAI's error body, a gRPC status)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 err_type: str = "invalid_request_error") -> None:
+                 err_type: str = "invalid_request_error", retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+        # seconds a client should wait before it retries (the HTTP API sends it as Retry-After on a 503)
+        self.retry_after = DEFAULT_RETRY_AFTER_S if retry_after is None and status == 503 else retry_after
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the error: Retry-After when a retry makes sense."""
+        return {} if self.retry_after is None else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
     def body(self) -> dict:
         """OpenAI's error body, so OpenAI clients show the message and the offending field."""
@@ -91,6 +104,8 @@ def json_field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], defa
         return default
     if isinstance(value, bool) and bool not in kinds:
         raise ApiError(400, f"'{name}' must be of type {_kind_names(kinds)}, got a boolean", name)
+    if isinstance(value, float) and int in kinds and float not in kinds and value.is_integer():
+        return int(value)  # JSON has one number type: 8.0 is the integer 8 (as JSON Schema and OpenAI read it)
     if not isinstance(value, kinds):
         raise ApiError(400, f"'{name}' must be of type {_kind_names(kinds)}, got {type(value).__name__}", name)
     return value
@@ -145,30 +160,49 @@ def parse_sampling(fields: SamplingFields) -> Sampling:
     params = _sampling_params(fields)
     n = 1 if fields.n is None else fields.n
     if n != 1:
-        raise ApiError(400, f"only n=1 is supported, got {n}", "n")
+        raise ApiError(400, f"only n=1 is supported, got {_shown(n)}", "n")
     max_tokens = fields.max_tokens
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+        raise ApiError(400, f"'max_tokens' must be at least 1, got {_shown(max_tokens)}", "max_tokens")
     stop = list(fields.stop)
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} of them", "stop")
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} of them, each of at "
+                            f"most {MAX_STOP_CHARS} characters", "stop")
     return Sampling(params, max_tokens, stop, bool(fields.ignore_eos))
 
 
 def _sampling_params(fields: SamplingFields) -> SamplingParams:
-    temperature = 1.0 if fields.temperature is None else float(fields.temperature)
-    if not 0.0 <= temperature <= 2.0:  # also refuses NaN
-        raise ApiError(400, f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
-    top_p = 1.0 if fields.top_p is None else float(fields.top_p)
+    temperature = _real(fields.temperature, 1.0, "temperature")
+    if not 0.0 <= temperature <= TEMPERATURE_MAX:  # also refuses NaN
+        raise ApiError(400, f"'temperature' must be between 0 and {TEMPERATURE_MAX:g}, got {_shown(temperature)}",
+                       "temperature")
+    top_p = _real(fields.top_p, 1.0, "top_p")
     if not 0.0 < top_p <= 1.0:
-        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {_shown(top_p)}", "top_p")
     top_k = 0 if fields.top_k is None else fields.top_k
-    if not -1 <= top_k < 1 << 31:
-        raise ApiError(400, f"'top_k' must be -1, 0 (off) or a positive number of tokens, got {top_k}", "top_k")
+    if not -1 <= top_k <= TOP_K_MAX:
+        raise ApiError(400, f"'top_k' must be -1, 0 (off) or a positive number of tokens up to {TOP_K_MAX}, "
+                            f"got {_shown(top_k)}", "top_k")
     seed = fields.seed
-    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
-        raise ApiError(400, f"'seed' must be a 64-bit signed integer, got {seed}", "seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise ApiError(400, f"'seed' must be a 64-bit signed integer, got {_shown(seed)}", "seed")
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+
+
+def _real(value: float | None, default: float, name: str) -> float:
+    """A JSON number as a float; an integer too large for one is out of every range (a 400, not a crash)."""
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except OverflowError:
+        raise ApiError(400, f"'{name}' is out of range, got {_shown(value)}", name) from None
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """A value for an error message, cut short: a client can send a 4000-digit number."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_model(model: ServedModel, requested: str | None) -> None:
@@ -196,7 +230,7 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
         max_tokens = room
     elif max_tokens > room:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}", "max_tokens",
+                            f"{len(prompt_ids)} tokens and max_tokens is {_shown(max_tokens)}", "max_tokens",
                        "context_length_exceeded")
     eos = [] if sampling.ignore_eos else sorted(model.tokenizer.eos_token_ids)
     return GenerateSpec(list(prompt_ids), sampling.params, max_tokens, sampling.stop, eos, sampling.ignore_eos,
@@ -237,6 +271,7 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     raises ApiError. Closing the pieces early closes the events, which aborts the request.
     """
     decoder = IncrementalDecoder(tokenizer)
+    vocab = tokenizer.vocab_size
     hold = max((len(s) for s in spec.stop), default=1) - 1
     text, sent, ids = "", 0, []
     async with aclosing(events):
@@ -244,7 +279,8 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             _raise_error(ev)
             if ev.token_id is not None:
                 ids.append(ev.token_id)
-                text += decoder.add(ev.token_id)
+                # a model whose embedding is padded past the tokenizer can sample an id with no text: it reads as ""
+                text += decoder.add(ev.token_id) if 0 <= ev.token_id < vocab else ""
             reason = ev.finish_reason
             if reason is not None:
                 text += decoder.flush()  # before the stop check: the held-back text may hold a stop string

@@ -7,10 +7,12 @@ generation.py validates them; nothing here knows about the HTTP API.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import aclosing
 
 import grpc
 
+from lockstep.coordinator.auth import ApiKeys
 from lockstep.coordinator.generation import (
     ApiError,
     Frontend,
@@ -26,6 +28,8 @@ from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
            503: grpc.StatusCode.UNAVAILABLE}
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+MAX_REQUEST_ID_CHARS = 256
+_SERVICE = "/lockstep.v1.InferenceService/"
 
 
 def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
@@ -44,6 +48,8 @@ def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tupl
         prompt_ids = list(req.token_ids.ids)
     else:
         raise ApiError(400, "the request has no prompt (text or token_ids)")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"'request_id' must have at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
     return build_spec(frontend, sampling_fields(req), prompt_ids), req.request_id or ("cmpl-" + uuid.uuid4().hex)
 
 
@@ -88,9 +94,45 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return msg
 
 
-async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
-    """Serve the inference service for `frontend` (the coordinator)."""
-    server = grpc.aio.server()
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """With API keys set, an inference call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED
+    otherwise), the same keys as the HTTP API's."""
+
+    def __init__(self, keys: ApiKeys) -> None:
+        self.keys = keys
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        """The method's handler, or one that refuses the call before any of it runs."""
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(_SERVICE):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.keys.allows(metadata.get("authorization")):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def refuse(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "a valid API key is required: send metadata 'authorization: Bearer KEY'")
+
+    async def refuse_stream(request, context: grpc.aio.ServicerContext):
+        await refuse(request, context)
+        yield  # pragma: no cover - abort raises
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+async def start_grpc(frontend: Frontend, host: str, port: int, api_keys: Iterable[str] = ()) -> grpc.aio.Server:
+    """Serve the inference service for `frontend` (the coordinator); with `api_keys`, only to their holders."""
+    keys = ApiKeys(api_keys)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(frontend), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()

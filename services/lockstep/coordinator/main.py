@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from lockstep.coordinator.config import CoordinatorConfig, parse_config
 from lockstep.coordinator.grpc_api import start_grpc
@@ -43,7 +43,7 @@ def build(config: CoordinatorConfig, progress: Callable[[str], None]) -> Coordin
 async def run(
     config: CoordinatorConfig,
     on_ready: Callable[[], None] | None = None,
-    children: list[subprocess.Popen] | None = None,
+    supervise: Coroutine[Any, Any, None] | None = None,
     progress: Callable[[str], None] = print,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -55,12 +55,15 @@ async def run(
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
-    api = OpenAIServer(coord)
+    api = OpenAIServer(coord, config.api_keys)
     runner = await run_app(api.app(), config.host, config.http_port)
-    grpc_server = await start_grpc(coord, config.host, config.grpc_port)
+    grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
+    if not config.api_keys:
+        progress("no API key set (--api-key / LOCKSTEP_API_KEY): /v1/* and /admin/* are open to anyone who "
+                 "reaches the port")
     ready = loop.create_task(coord.wait_ready())
     waiter = loop.create_task(stop.wait())
-    watcher = loop.create_task(_watch_children(children or [], progress))
+    watcher = loop.create_task(supervise if supervise is not None else asyncio.Event().wait())
     done, _ = await asyncio.wait({ready, waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if ready in done:
         if on_ready:
@@ -75,18 +78,6 @@ async def run(
     await runner.cleanup()
     await coord.close()
     return code
-
-
-async def _watch_children(children: list[subprocess.Popen], progress: Callable[[str], None]) -> None:
-    """Return when any supervised rank process exits (the embedded `lockstep serve` stops then)."""
-    if not children:
-        await asyncio.Event().wait()
-    while True:
-        for i, p in enumerate(children):
-            if p.poll() is not None:
-                progress(f"rank {i} exited with code {p.returncode}; stopping")
-                return
-        await asyncio.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,16 +9,20 @@ rank at the next step.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Iterable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
+import lockstep
+from lockstep.coordinator.auth import ApiKeys
 from lockstep.coordinator.generation import (
     ApiError,
     Completion,
@@ -32,60 +36,126 @@ from lockstep.coordinator.generation import (
     generate_text,
     json_field,
 )
+from lockstep.coordinator.openai_fields import (
+    MAX_BODY_BYTES,
+    check_fields,
+    check_messages,
+    check_shadowed_max_tokens,
+    load_body,
+    stream_options,
+)
+from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
 
 log = logging.getLogger("lockstep.api")
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.2  # how soon a client that hung up has its request aborted
+_QUERY_INT = re.compile(r"-?[0-9]{1,18}")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
 
 
 class OpenAIServer:
     """The HTTP routes; every rule about a request's fields lives in generation.py, shared with gRPC."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, api_keys: Iterable[str] = (), max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.frontend = frontend
+        self.keys = ApiKeys(api_keys)
+        self.max_body_bytes = max_body_bytes
+        self._document: dict | None = None
 
     def app(self) -> web.Application:
         """The aiohttp application: OpenAI's routes, health and metrics, and the operators' /admin routes."""
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors, self._auth, self._query],
+                              client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/admin/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/admin/steps", self.steps)
         return app
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure as OpenAI's error body: the client's (4xx) and, logged, our own (500)."""
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+        except (ClientGone, ConnectionResetError):
+            log.info("client of %s %s went away; its request is aborted", request.method, request.path)
+            return web.Response(status=499)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            err = ApiError(exc.status, exc.reason or "error", err_type="invalid_request_error")
-            return web.json_response(err.body(), status=exc.status)
+            message = exc.text if exc.status == 413 and exc.text else exc.reason or "error"
+            err = ApiError(exc.status, message, err_type="invalid_request_error")
+            headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return web.json_response(err.body(), status=exc.status, headers=headers)
+        except Exception as exc:
+            return web.json_response(_internal_error(request, exc).body(), status=500)
 
-    async def _json(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        check_model(self.frontend, json_field(body, "model", (str,)))
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        """With API keys set, everything but the open paths needs `Authorization: Bearer KEY`."""
+        if request.path not in OPEN_PATHS and not self.keys.allows(request.headers.get("Authorization")):
+            err = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", err_type="authentication_error")
+            return web.json_response(err.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    @web.middleware
+    async def _query(self, request: web.Request, handler) -> web.StreamResponse:
+        """A query parameter that the route does not take is a 400 naming it, like a body field."""
+        resource = request.match_info.route.resource
+        allowed = QUERY_PARAMS.get(resource.canonical, ()) if resource is not None else None
+        unknown = [k for k in request.query if allowed is not None and k not in allowed]
+        if unknown:
+            raise ApiError(400, f"unsupported query parameter '{unknown[0]}'", unknown[0], "unsupported_field")
+        return await handler(request)
+
+    async def _json(self, request: web.Request, endpoint: str) -> dict:
+        body = load_body(await request.read())
+        check_fields(body, endpoint)
+        if endpoint != "reset_prefix_cache":
+            check_model(self.frontend, json_field(body, "model", (str,)))
+            check_shadowed_max_tokens(body, self.frontend.max_model_len)
         return body
+
+    async def _unless_gone(self, request: web.Request, work: Awaitable[T]) -> T:
+        """Run `work` until it ends or the client hangs up. A client that hangs up has `work` cancelled, which
+        closes its request's events: the request aborts and frees its pages and its batch seat at once. (aiohttp
+        cancels a handler on disconnect only when its runner is made with handler_cancellation; this does not
+        depend on it.)"""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    raise ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: `prompt` is a string or a list of token ids (or a list of one of them)."""
-        body = await self._json(request)
+        body = await self._json(request, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = self.frontend.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+            prompt_ids = [int(t) for t in prompt]
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
@@ -93,15 +163,8 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions: the messages go through the model's chat template."""
-        body = await self._json(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty array", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-                m.get("content"), (str, type(None))
-            ):
-                raise ApiError(400, "each message must be an object with a string 'role' and 'content'", "messages")
+        body = await self._json(request, "chat")
+        messages = check_messages(body.get("messages"))
         try:
             text = self.frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:
@@ -113,21 +176,24 @@ class OpenAIServer:
     async def _respond(self, request: web.Request, body: dict, spec: GenerateSpec, chat: bool) -> web.StreamResponse:
         stream = json_field(body, "stream", (bool,), False)
         token_ids = json_field(body, "return_token_ids", (bool,), False)
-        include_usage = bool((json_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        include_usage = stream_options(body)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         base = {"id": rid, "created": int(time.time()), "model": self.frontend.model_name}
         outputs = generate_text(self.frontend, rid, spec)
         if not stream:
-            return web.json_response(self._whole(base, spec, await collect(outputs), chat, token_ids))
+            done = await self._unless_gone(request, collect(outputs))
+            return web.json_response(self._whole(base, spec, done, chat, token_ids))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         try:
-            n_out, cached = await self._stream(resp, base, spec, outputs, chat, token_ids)
-        except ConnectionResetError:
+            await resp.prepare(request)
+            n_out, cached = await self._unless_gone(request, self._stream(resp, base, spec, outputs, chat, token_ids))
+        except (ConnectionResetError, ClientGone):
+            await outputs.aclose()
             log.info("client of %s went away; its request is aborted", rid)
             return resp
-        except ApiError as exc:
-            await resp.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+        except Exception as exc:  # after the 200 went out, an error can only be an event of the stream
+            err = exc if isinstance(exc, ApiError) else _internal_error(request, exc)
+            await resp.write(f"data: {json.dumps(err.body())}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             return resp
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -191,38 +257,67 @@ class OpenAIServer:
         return web.Response(body=self.frontend.metrics_text(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        """GET /openapi.json: the OpenAPI 3.1 document of this API, with this model's limits."""
+        if self._document is None:
+            self._document = openapi_document(self.frontend.model_name, self.frontend.max_model_len,
+                                              self.frontend.tokenizer.vocab_size, lockstep.__version__)
+        return web.json_response(self._document)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version: the Lockstep version serving (vLLM's shape)."""
+        return web.json_response({"version": lockstep.__version__})
+
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """POST /admin/reset_prefix_cache[?rank=N]: drop the prefix cache of every rank, or of rank N."""
-        rank = request.query.get("rank")
-        if rank is None and request.can_read_body:
-            body = await self._json(request)
-            rank = body.get("rank")
+        rank = _query_int(request, "rank", 0)
+        if request.can_read_body:
+            given = json_field(await self._json(request, "reset_prefix_cache"), "rank", (int,))
+            if given is not None and given < 0:
+                raise ApiError(400, "'rank' must be at least 0", "rank")
+            if given is not None and rank is not None and given != rank:
+                raise ApiError(400, "'rank' is given twice (query and body) with different values", "rank")
+            rank = given if rank is None else rank
         try:
-            rank_no = None if rank is None else int(rank)
-        except (TypeError, ValueError) as exc:
-            raise ApiError(400, f"'rank' must be an integer, got {rank!r}", "rank") from exc
-        try:
-            await self.frontend.reset_prefix_cache(rank_no)
+            await self.frontend.reset_prefix_cache(rank)
         except ValueError as exc:
             raise ApiError(400, str(exc), "rank") from exc
-        return web.json_response({"status": "ok", "rank": rank_no})
+        return web.json_response({"status": "ok", "rank": rank})
 
     async def steps(self, request: web.Request) -> web.Response:
         """GET /admin/steps[?group=G][&since=N]: a group's step timings (read-only; `lockstep bench` reads it
         to tell the coordinator's own time from the wait for the ranks)."""
         group = request.query.get("group")
-        since = request.query.get("since", "0")
+        since = _query_int(request, "since", 0) or 0
         try:
-            since_no = int(since)
-        except ValueError as exc:
-            raise ApiError(400, f"'since' must be an integer, got {since!r}", "since") from exc
-        if since_no < 0:
-            raise ApiError(400, f"'since' must be at least 0, got {since_no}", "since")
-        try:
-            return web.json_response(self.frontend.step_log(group, since_no))
+            return web.json_response(self.frontend.step_log(group, since))
         except KeyError as exc:
             raise ApiError(404, f"there is no group {group!r}" if group is not None else "there is no group",
                            "group", "group_not_found", "NotFoundError") from exc
+
+
+def _internal_error(request: web.Request, exc: Exception) -> ApiError:
+    """Our own bug, logged with its traceback; the client learns only that it happened."""
+    log.error("internal error serving %s %s", request.method, request.path, exc_info=exc)
+    return ApiError(500, "internal error; the coordinator logged it", err_type="server_error")
+
+
+def _is_integer(value: object) -> bool:
+    """A JSON integer (8.0 included, as JSON Schema reads it; true is not one)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
+    """An integer query parameter (None if absent): plain ASCII digits, at least `minimum`."""
+    text = request.query.get(name)
+    if text is None:
+        return None
+    if not _QUERY_INT.fullmatch(text):
+        raise ApiError(400, f"'{name}' must be an integer, got {text[:40]!r}", name)
+    value = int(text)
+    if value < minimum:
+        raise ApiError(400, f"'{name}' must be at least {minimum}, got {value}", name)
+    return value
 
 
 def _stream_choice(piece: TextPiece, chat: bool, first: bool) -> dict[str, Any]:

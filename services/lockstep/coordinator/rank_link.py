@@ -2,7 +2,8 @@
 
 Plans are written by a task of their own, off the step loop, and reports (or the reason the stream
 ended) land in the group's inbox as `(rank, Report | str)`. Protobuf stops here: what leaves this
-module is the cores' plain data.
+module is the cores' plain data. Every call carries the group token (`rank_auth`), and the channel
+speaks TLS when the coordinator was given the ranks' CA.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lockstep import wire
 from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
+from lockstep.rank_auth import RankClientAuth
 from lockstep.steps import Plan, RankInfo
 
 MAX_MESSAGE = 64 << 20  # a report carries a whole step's probe answers
@@ -22,10 +24,12 @@ MAX_MESSAGE = 64 << 20  # a report carries a whole step's probe answers
 class RankLink:
     """One rank's channel and Step stream, as the group's step loop uses them."""
 
-    def __init__(self, rank: int, address: str) -> None:
+    def __init__(self, rank: int, address: str, auth: RankClientAuth | None = None) -> None:
         self.rank = rank
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE)])
+        auth = auth or RankClientAuth()
+        self.metadata = auth.metadata()
+        self.channel = auth.aio_channel(address, [("grpc.max_receive_message_length", MAX_MESSAGE)])
         self.stub = rank_pb2_grpc.RankServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.call = None
@@ -34,13 +38,14 @@ class RankLink:
 
     async def info(self, timeout: float = 2.0) -> RankInfo:
         """What the rank serves and the last step it carried out; raises grpc.aio.AioRpcError if it is away."""
-        return wire.info_from_proto(await self.stub.Info(rank_pb2.InfoRequest(), timeout=timeout))
+        reply = await self.stub.Info(rank_pb2.InfoRequest(), timeout=timeout, metadata=self.metadata)
+        return wire.info_from_proto(reply)
 
     async def responsive(self, timeout: float = 1.0) -> bool:
         """Whether the rank's process answers at all: a rank blocked in a collective still does, a stopped
         or hung process does not. This tells the operator which rank holds the others up."""
         try:
-            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self.metadata)
             return True
         except grpc.aio.AioRpcError:
             return False
@@ -48,7 +53,7 @@ class RankLink:
     async def open(self, inbox: asyncio.Queue) -> None:
         """A new Step stream (the rank ends any older one) whose reports go to `inbox`."""
         self._stop()
-        self.call = self.stub.Step()
+        self.call = self.stub.Step(metadata=self.metadata)
         self.outbox = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._read(inbox)), loop.create_task(self._write(self.call, self.outbox, inbox))]

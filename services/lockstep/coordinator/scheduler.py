@@ -27,6 +27,7 @@ from lockstep.coordinator.admission import AdmissionControl, Decision, pages_for
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
+from lockstep.coordinator.step_reports import LastPools, in_rank_order
 from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
 
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
@@ -86,6 +87,7 @@ class Scheduler:
         self._last_plan: Plan | None = None
         self._applied: int | None = None
         self._refused_in_a_row = 0
+        self._pools = LastPools()
 
     # ----- requests in and out
 
@@ -97,26 +99,36 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.generated or request.num_computed:
             raise ValueError(f"request {request.request_id} was already scheduled ({request!r})")
-        if self.max_model_len is not None and request.max_positions + 1 > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: {len(request.prompt_token_ids)} prompt tokens + max_tokens"
-                f" {request.max_tokens} exceed the model's {self.max_model_len} positions"
-            )
+        problem = self.cannot_hold(request)
+        if problem:
+            raise ValueError(problem)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def adopt(self, request: Request) -> None:
-        """Take over a request that another group was running when it went down: it is recomputed here
-        from its prompt and the tokens it had generated (which its client already has), first in line."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed:
-            raise ValueError(f"request {request.request_id} is not waiting for a recompute ({request!r})")
+    def adopt(self, requests: Sequence[Request]) -> None:
+        """Take over requests that another group was running when it went down: they are recomputed here
+        from their prompts and the tokens they had generated (which their clients already have), ahead
+        of this group's waiting requests and in the order given (oldest first). All or none are taken."""
+        ids = [r.request_id for r in requests]
+        for request in requests:
+            if request.request_id in self.requests or ids.count(request.request_id) > 1:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            if request.status is not RequestStatus.WAITING or request.num_computed:
+                raise ValueError(f"request {request.request_id} is not waiting for a recompute ({request!r})")
+            problem = self.cannot_hold(request)
+            if problem:
+                raise ValueError(problem)
+        for request in reversed(requests):
+            request.forget_keys()
+            self.requests[request.request_id] = request
+            self.waiting.appendleft(request)
+
+    def cannot_hold(self, request: Request) -> str:
+        """Why this group can never serve the request (its positions), or "" when it can."""
         if self.max_model_len is not None and request.max_positions + 1 > self.max_model_len:
-            raise ValueError(f"request {request.request_id} does not fit this group's {self.max_model_len} positions")
-        request.forget_keys()
-        self.requests[request.request_id] = request
-        self.waiting.appendleft(request)
+            return (f"request {request.request_id}: {len(request.prompt_token_ids)} prompt tokens + max_tokens"
+                    f" {request.max_tokens} exceed the model's {self.max_model_len} positions")
+        return ""
 
     def abort(self, request_id: str) -> list[Event]:
         """End a request now; if the ranks hold it, the next plan releases it. Unknown id: no events."""
@@ -157,7 +169,7 @@ class Scheduler:
         `flush`: some rank drops its prefix cache at this step (after releases, before pins), so nothing
         is admitted with a cached prefix in it; the probes it answers after the flush are fresh.
         """
-        reports = self._check_plan_reports(step, reports)
+        reports = self._pools.fill(self._check_plan_reports(step, reports))
         releases, self._releases = self._releases, []
         batch: dict[str, tuple[Chunk, list[int]]] = {}
         admits: list[Admit] = []
@@ -193,28 +205,12 @@ class Scheduler:
             if last is not None:
                 raise ValueError(f"plan {step} needs the reports of step {last.step}")
             return []
-        ordered = self._check_reports(reports)
+        ordered = in_rank_order(reports, self.ranks)
         if last is not None and ordered[0].step != last.step:
             raise ValueError(f"plan {step} must be built from the reports of step {last.step}")
         if ordered[0].step >= step:
             raise ValueError(f"plan {step} cannot be built from reports of step {ordered[0].step}")
         return ordered
-
-    def _check_reports(self, reports: Sequence[Report]) -> list[Report]:
-        by_rank: dict[int, Report] = {}
-        for report in reports:
-            if not isinstance(report.rank, int) or not 0 <= report.rank < self.ranks:
-                raise ValueError(f"report from rank {report.rank!r}; this group has ranks 0..{self.ranks - 1}")
-            if report.rank in by_rank:
-                raise ValueError(f"two reports from rank {report.rank}")
-            by_rank[report.rank] = report
-        if len(by_rank) != self.ranks:
-            missing = sorted(set(range(self.ranks)) - by_rank.keys())
-            raise ValueError(f"reports of every rank are needed; ranks {missing} are missing")
-        steps = {r.step for r in reports}
-        if len(steps) != 1:
-            raise ValueError(f"reports of different steps mixed: {sorted(steps)}")
-        return [by_rank[r] for r in range(self.ranks)]
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         start = req.num_computed
@@ -363,7 +359,7 @@ class Scheduler:
         if not reports:
             raise ValueError("apply() needs the reports of every rank")
         plan = self._last_plan
-        ordered = self._check_reports(reports)
+        ordered = in_rank_order(reports, self.ranks)
         step = ordered[0].step
         if self._applied is not None and step <= self._applied:
             return []

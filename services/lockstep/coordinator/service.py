@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from lockstep.coordinator.config import CoordinatorConfig
@@ -38,6 +37,39 @@ class _Live:
     last_token_at: float | None = None
 
 
+class RequestEvents:
+    """One request's events for its client. Closing it early (even before the first event: a client gone
+    between `generate` and its first read) aborts the request and frees its pages; an async generator
+    would skip its cleanup when closed before it started."""
+
+    def __init__(self, coordinator: Coordinator, request_id: str) -> None:
+        self._coordinator = coordinator
+        self._request_id = request_id
+        self._queue = coordinator.live[request_id].queue
+        self._done = False
+
+    def __aiter__(self) -> RequestEvents:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ev: TokenEvent = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if ev.finish_reason is not None or ev.error:
+            self._done = True
+            self._coordinator._end(self._request_id, finished=True)
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._coordinator._end(self._request_id, finished=False)
+
+
 class Coordinator:
     """Every group of one deployment behind one API: routing, replay, and each request's event queue."""
 
@@ -56,7 +88,7 @@ class Coordinator:
         up the others (and comes back by itself once its ranks are whole again)."""
         for name, addresses in self.config.groups.items():
             runner = GroupRunner(name, list(addresses), self.metrics, self._dispatch, self._replay, self._group_up,
-                                 self.config.stall_threshold, self.config.dead_rank_timeout)
+                                 self.config.stall_threshold, self.config.dead_rank_timeout, self.config.rank_auth)
             runner.start(self._make_scheduler)
             self.groups[name] = runner
 
@@ -119,39 +151,41 @@ class Coordinator:
         return {"group": name, "steps": [list(t) for t in steps], "next": next_index}
 
     def _replay(self, group: str, requests: list[Request], reason: str) -> None:
-        """A group went down: its requests go on in the least-loaded group that is up, recomputed from
-        what they had. With no group up they wait up to `replay_timeout` for one to come back (the
-        operator recreates a broken group), and past it, or with no wait allowed, end with the
-        retriable error."""
-        for req in requests:
-            if req.request_id not in self.live:
-                continue
-            if self._move(req, exclude=group):
-                continue
-            if self.config.replay_timeout > 0:
-                self._parked[req.request_id] = (req, reason)
-                asyncio.get_running_loop().call_later(self.config.replay_timeout, self._expire, req.request_id)
-            else:
-                self._fail(req, reason)
+        """A group went down: its requests go on in other groups that are up, recomputed from what they had.
+        Those no group can take now wait up to `replay_timeout` for one (the operator, or `lockstep serve`,
+        recreates a broken group), and past it end with a retriable error."""
+        self._place([r for r in requests if r.request_id in self.live], reason, exclude=group)
 
-    def _move(self, req: Request, exclude: str = "") -> bool:
-        """Hand the request to the least-loaded group that is up; False when there is none."""
-        live = self.live[req.request_id]
-        up = [g for g in self.groups.values() if g.serving and g.name != exclude]
-        if not up:
-            return False
-        target = min(up, key=lambda g: g.load)
-        try:
-            target.adopt(req)
-        except ValueError as exc:
-            self._fail(req, str(exc))
-            return True
-        log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
-                    target.name, len(req.generated))
-        self.metrics.requests_migrated.labels(live.group).inc()
-        self.metrics.routing_decisions.labels(target.name, "replay").inc()
-        live.group = target.name
-        return True
+    def _place(self, requests: list[Request], reason: str, exclude: str = "") -> None:
+        """Hand requests (oldest first) to the least-loaded serving groups that can hold them; park the rest."""
+        targets = [g for g in self.groups.values() if g.serving and g.name != exclude]
+        moves: dict[str, list[Request]] = {}
+        for req in requests:
+            fitting = [g for g in targets if not g.cannot_hold(req)]
+            if not fitting:
+                self._park(req, reason)
+                continue
+            target = min(fitting, key=lambda g: g.load + len(moves.get(g.name, ())))
+            moves.setdefault(target.name, []).append(req)
+        for name, reqs in moves.items():
+            self.groups[name].adopt(reqs)
+            for req in reqs:
+                self._parked.pop(req.request_id, None)
+                live = self.live[req.request_id]
+                log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
+                            name, len(req.generated))
+                self.metrics.requests_migrated.labels(live.group).inc()
+                self.metrics.routing_decisions.labels(name, "replay").inc()
+                live.group = name
+
+    def _park(self, req: Request, reason: str) -> None:
+        if req.request_id in self._parked:
+            return
+        if self.config.replay_timeout <= 0:
+            self._fail(req, reason)
+            return
+        self._parked[req.request_id] = (req, reason)
+        asyncio.get_running_loop().call_later(self.config.replay_timeout, self._expire, req.request_id)
 
     def _fail(self, req: Request, reason: str) -> None:
         live = self.live.get(req.request_id)
@@ -160,12 +194,14 @@ class Coordinator:
             live.queue.put_nowait(TokenEvent(None, None, req.cached_tokens, error=reason))
 
     def _group_up(self, group: str) -> None:
-        """A group (re)formed: the requests waiting for one go on there."""
-        for rid, (req, _) in list(self._parked.items()):
-            if rid not in self.live:
-                del self._parked[rid]
-            elif self._move(req):
-                del self._parked[rid]
+        """A group (re)formed: the requests waiting for one go on there, oldest first."""
+        for rid in [rid for rid in self._parked if rid not in self.live]:
+            del self._parked[rid]
+        by_reason: dict[str, list[Request]] = {}
+        for req, reason in self._parked.values():
+            by_reason.setdefault(reason, []).append(req)
+        for reason, reqs in by_reason.items():
+            self._place(reqs, reason)
 
     def _expire(self, request_id: str) -> None:
         parked = self._parked.pop(request_id, None)
@@ -181,40 +217,39 @@ class Coordinator:
                            err_type="service_unavailable")
         return min(up, key=lambda g: g.load)
 
-    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
+    def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
         return its events; closing the iterator early aborts it and frees its pages."""
         if request_id in self.live:
             raise ApiError(409, f"request id {request_id!r} is already running", "request_id",
                            "request_id_in_use")
+        waiting = sum(g.counts()[0] for g in self.groups.values()) + len(self._parked)
+        if waiting >= self.config.max_waiting_requests:
+            raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting already "
+                                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
+                           code="server_overloaded", err_type="service_unavailable")
         group = self._pick_group()
         max_tokens = spec.max_tokens
         if not spec.max_tokens_given and group.capacity_tokens:  # "up to the context" means what fits
             max_tokens = max(1, min(max_tokens, group.capacity_tokens - len(spec.prompt_ids)))
         try:
             request = Request(request_id, spec.prompt_ids, spec.sampling, max_tokens, spec.stop_token_ids)
-            group.submit(request)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        too_large = group.cannot_hold(request)
+        if too_large:  # known before any token: a status, not an error inside a stream
+            raise ApiError(400, too_large, "max_tokens", "request_too_large")
+        group.submit(request)
         self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids))
         self.metrics.routing_decisions.labels(group.name, "least_loaded").inc()
-        return self._events(request_id)
+        return RequestEvents(self, request_id)
 
-    async def _events(self, request_id: str) -> AsyncGenerator[TokenEvent, None]:
-        live = self.live[request_id]
-        finished = False
-        try:
-            while True:
-                ev: TokenEvent = await live.queue.get()
-                yield ev
-                if ev.finish_reason is not None or ev.error:
-                    finished = True
-                    return
-        finally:
-            self.live.pop(request_id, None)
-            runner = self.groups.get(live.group)
-            if not finished and runner is not None:
-                runner.abort(request_id)
+    def _end(self, request_id: str, finished: bool) -> None:
+        """The client's side of a request is over: forget it, and abort it unless it finished."""
+        live = self.live.pop(request_id, None)
+        runner = self.groups.get(live.group) if live is not None else None
+        if not finished and runner is not None:
+            runner.abort(request_id)
 
     def _dispatch(self, group: str, events: list[Event]) -> None:
         now = time.monotonic()

@@ -17,17 +17,18 @@ from lockstep.device import dist_backend
 class Comm:
     """A rank's view of its group. World size 1 never touches torch.distributed."""
 
-    def __init__(self, rank: int, world_size: int, backend: str | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, backend: str | None = None, group=None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of world size {world_size}")
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
+        self.group = group  # the process group the collectives run in (None: the default one)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place, and return it."""
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -36,12 +37,12 @@ class Comm:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t)
+        dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=dim)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         """Leave the process group (a torch.distributed group cannot take a new member later)."""
@@ -59,9 +60,15 @@ def parse_rendezvous(rendezvous: str) -> tuple[str, int]:
 
 
 def init_comm(
-    rank: int, world_size: int, rendezvous: str, device: torch.device | str, timeout_s: float = 600.0
+    rank: int, world_size: int, rendezvous: str, device: torch.device | str, timeout_s: float = 600.0,
+    collective_timeout_s: float | None = None,
 ) -> Comm:
-    """Join the group whose rank 0 serves the TCP store at `rendezvous`; blocks until all ranks arrive."""
+    """Join the group whose rank 0 serves the TCP store at `rendezvous`; blocks until all ranks arrive.
+
+    `timeout_s` bounds the rendezvous (peers may take minutes to be scheduled and load); with
+    `collective_timeout_s`, each collective fails after that long instead, so a rank whose peer died or
+    stopped finds its group broken soon (and exits to have it recreated) rather than after `timeout_s`.
+    """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a group of world size {world_size}")
     if world_size == 1:
@@ -81,7 +88,11 @@ def init_comm(
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    return Comm(rank, world_size, backend)
+    group = None
+    if collective_timeout_s is not None:
+        group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=collective_timeout_s),
+                               backend=backend)
+    return Comm(rank, world_size, backend, group)
 
 
 def single_comm() -> Comm:

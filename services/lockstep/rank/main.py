@@ -17,10 +17,11 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lockstep.engine_config import EngineConfig
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
+from lockstep.rank_auth import RANK_SETTINGS, RankServerAuth, server_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
 
 log = logging.getLogger("lockstep.rank")
@@ -43,11 +44,14 @@ class RankConfig:
     kv_memory_fraction: float | None
     prefix_caching: bool
     threads: int
+    auth: RankServerAuth = field(default_factory=RankServerAuth)  # the group token and TLS of the gRPC port
+    collective_timeout: float = 60.0
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, rank=self.rank, world_size=self.world_size, rendezvous=self.rendezvous,
                             page_size=self.page_size, kv_pages=self.kv_pages,
-                            kv_memory_fraction=self.kv_memory_fraction, prefix_caching=self.prefix_caching)
+                            kv_memory_fraction=self.kv_memory_fraction, prefix_caching=self.prefix_caching,
+                            collective_timeout_s=self.collective_timeout)
 
 
 class _Terminated(Exception):
@@ -80,6 +84,9 @@ SETTINGS = (
             help="turn prefix caching off", switch=True, flag_value=False),
     Setting("threads", "--threads", "LOCKSTEP_THREADS", integer, None,
             "torch intra-op threads (default: cores / world size)", at_least(1)),
+    Setting("collective_timeout", "--collective-timeout", "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS", number, 60.0,
+            "seconds after which a collective whose peer never comes fails, and the rank exits to have its "
+            "group recreated", within(0, 86400, low_open=True)),
 )
 
 
@@ -102,8 +109,13 @@ def parse_args(
     env = os.environ if env is None else env
     hostname = socket.gethostname() if hostname is None else hostname
     p = argparse.ArgumentParser(prog="lockstep rank", description="Serve one rank of one tensor-parallel group.")
-    add_settings(p, SETTINGS)
-    values = resolve(p, p.parse_args(argv), SETTINGS, env)
+    add_settings(p, SETTINGS + RANK_SETTINGS)
+    args = p.parse_args(argv)
+    values = resolve(p, args, SETTINGS, env)
+    try:
+        values["auth"] = server_auth(resolve(p, args, RANK_SETTINGS, env), env)
+    except ValueError as exc:
+        p.error(str(exc))
     world_size = values["world_size"]
     if values["rank"] is None:
         values["rank"] = default_rank(env, hostname)
@@ -152,11 +164,11 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
 
     servicer = RankServicer(cfg.rank, on_fatal=on_fatal)
     address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-    server = RankServer(servicer, address)
+    server = RankServer(servicer, address, auth=cfg.auth)
     server.start()
-    log.info(
-        "rank %d/%d: gRPC on %s:%d, loading %s", cfg.rank, cfg.world_size, cfg.host, server.port, cfg.model
-    )
+    log.info("rank %d/%d: gRPC%s on %s:%d (group token %s), loading %s", cfg.rank, cfg.world_size,
+             " over TLS" if cfg.auth.tls_cert else "", cfg.host, server.port,
+             "required" if cfg.auth.token else "NOT required", cfg.model)
     try:
         try:
             engine = engine_factory(cfg)

@@ -12,6 +12,8 @@ protocol's delivery rules live:
   (the step order and the answer to a repeat are `steps.StepGate`'s, which LocalGroup keeps too);
 - an engine exception becomes `Report.error` and the stream goes on; the coordinator decides;
 - a newer Step stream supersedes the older one, which ends ABORTED after the step it is in.
+- with a group token (`rank_auth`), a call without it is refused UNAUTHENTICATED before it gets here, so
+  only the token's holder can supersede the coordinator's stream; the health check stays open.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
+from lockstep.rank_auth import RankServerAuth, TokenInterceptor
 from lockstep.steps import GroupBroken, Plan, RankInfo, Report, StepGate
 from lockstep.wire import WireError, info_to_proto, plan_from_proto, report_to_proto
 
@@ -198,23 +201,34 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
 
 class RankServer:
-    """The rank's gRPC server: RankService plus grpc.health.v1, NOT_SERVING until `set_serving(True)`."""
+    """The rank's gRPC server: RankService plus grpc.health.v1, NOT_SERVING until `set_serving(True)`.
 
-    def __init__(self, servicer: RankServicer, address: str, max_workers: int = 8) -> None:
+    `auth` asks callers for the group token and serves TLS when it has a certificate; without a token the
+    rank serves whoever reaches its port, and says so in its log."""
+
+    def __init__(self, servicer: RankServicer, address: str, max_workers: int = 8,
+                 auth: RankServerAuth | None = None) -> None:
+        auth = auth or RankServerAuth()
         self.servicer = servicer
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
+            interceptors=[TokenInterceptor(auth.token, f"rank {servicer.rank}")] if auth.token else [],
         )
         rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        credentials = auth.credentials()
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                         else self.server.add_insecure_port(address))
         except RuntimeError as e:
             raise OSError(f"cannot bind the rank's gRPC server to {address}: {e}") from e
         if self.port == 0:
             raise OSError(f"cannot bind the rank's gRPC server to {address}")
+        if not auth.token:
+            log.warning("rank %d: no group token (LOCKSTEP_GROUP_TOKEN or --group-token-file): anyone who reaches "
+                        "port %d can drive this rank", servicer.rank, self.port)
         self.set_serving(False)
 
     def start(self) -> None:

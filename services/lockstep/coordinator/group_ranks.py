@@ -1,0 +1,212 @@
+"""A group's ranks as one: connect to all of them, send each plan to all, and wait for every report.
+
+This is the only place that waits on ranks, so the agreement wait's promises live here: it is never
+silent (past the stall threshold it is counted and logged with the ranks that have not answered, and
+which of them do not answer at all), and it never lasts for ever (past the dead-rank timeout, or when a
+stream breaks, the group is down). What the group then does is `group.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from lockstep import wire
+from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.rank_link import RankLink
+from lockstep.coordinator.waits import AgreementWait
+from lockstep.rank_auth import RankClientAuth
+from lockstep.steps import Plan, RankInfo, Report
+
+log = logging.getLogger("lockstep.group")
+
+POLL_S = 0.25
+RECONNECT_S = 1.0
+
+
+def inconsistent(infos: list[RankInfo], size: int) -> str:
+    """Why these ranks cannot be driven as one group now, or "" when they can."""
+    for r, info in enumerate(infos):
+        if info.rank != r or info.world_size != size:
+            return f"address {r} is rank {info.rank} of {info.world_size}, expected rank {r} of {size}"
+    steps = {i.last_step for i in infos}
+    if len(steps) > 1:
+        return f"the ranks stopped at different steps {sorted(steps)} (a broken group, to be recreated)"
+    return ""
+
+
+def one_step_behind(infos: list[RankInfo]) -> tuple[int, list[int]]:
+    """(step k, the ranks at k - 1) when the others are at k, else (-1, []).
+
+    Only a coordinator that died between writing plan k to one rank and to another leaves a group so:
+    the ranks at k wait in step k's agreement collective for peers that never got plan k. Those peers
+    abstain from step k, and the whole group skips it together.
+    """
+    steps = sorted({i.last_step for i in infos})
+    if len(steps) != 2 or steps[1] != steps[0] + 1:
+        return -1, []
+    return steps[1], [r for r, i in enumerate(infos) if i.last_step == steps[0]]
+
+
+class GroupDown(RuntimeError):
+    """A rank of the group is dead: the group stops and its requests go back to the coordinator."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class GroupRanks:
+    """The rank links of one group and the inbox their reports (or the reasons their streams ended) land in."""
+
+    def __init__(self, name: str, addresses: list[str], metrics: Metrics, stall_threshold: float,
+                 dead_rank_timeout: float, rank_auth: RankClientAuth | None = None) -> None:
+        self.name = name
+        self.links = [RankLink(r, a, rank_auth) for r, a in enumerate(addresses)]
+        self.metrics = metrics
+        self.stall_threshold = stall_threshold
+        self.dead_rank_timeout = dead_rank_timeout
+        self.inbox: asyncio.Queue = asyncio.Queue()
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    async def connect(self, waiting: Callable[[str], None]) -> list[RankInfo]:
+        """Wait until every rank answers as one group (all fresh, or all at the same step), catching up
+        ranks a dead coordinator left one step behind; `waiting(why)` hears each new reason to wait."""
+        said = ""
+        while True:
+            infos, why = await self._infos()
+            if not why:  # supersede older streams first, so no plan still queued on them runs after this read
+                await self._open_streams()
+                infos, why = await self._infos()
+            step, behind = one_step_behind(infos) if not why else (-1, [])
+            if behind:
+                await self._catch_up(step, behind)
+                continue
+            why = why or inconsistent(infos, len(self.links))
+            if not why:
+                break
+            if why != said:
+                log.info("group %s: waiting for its ranks: %s", self.name, why)
+                waiting(why)
+                said = why
+            await asyncio.sleep(RECONNECT_S)
+        return infos
+
+    async def _open_streams(self) -> None:
+        self.inbox = asyncio.Queue()
+        for link in self.links:
+            await link.open(self.inbox)
+
+    async def _infos(self) -> tuple[list[RankInfo], str]:
+        infos = []
+        for link in self.links:
+            try:
+                infos.append(await link.info())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    return infos, f"rank {link.rank} at {link.address} refuses this coordinator's group token"
+                return infos, f"rank {link.rank} at {link.address} does not answer ({exc.code().name})"
+        return infos, ""
+
+    async def _catch_up(self, step: int, behind: list[int]) -> None:
+        """Have the ranks one step behind abstain from `step`, and wait (up to the dead-rank timeout) for
+        their refusals; the ranks ahead then finish the step as refused too."""
+        log.warning("group %s: ranks one step behind: ranks %s abstain from step %d, which the others are in "
+                    "(their last coordinator died between its writes)", self.name, behind, step)
+        inbox: asyncio.Queue = asyncio.Queue()
+        for r in behind:
+            await self.links[r].open(inbox)
+            self.links[r].send(Plan(step=step, abstain=True))
+        wait = AgreementWait(step, behind, time.monotonic())
+        while not wait.done and not wait.dead(time.monotonic(), self.dead_rank_timeout):
+            try:
+                rank, item = await asyncio.wait_for(inbox.get(), POLL_S)
+            except TimeoutError:
+                continue
+            if isinstance(item, str):
+                log.warning("group %s: rank %d went away while catching up: %s", self.name, rank, item)
+                return
+            wait.record(item)
+
+    def send(self, plan: Plan, flushed: set[int]) -> None:
+        """Serialize the plan once (twice with a flush) and queue it for every rank's stream writer."""
+        msg = wire.plan_to_proto(plan)
+        flush_msg = wire.plan_to_proto(dataclasses.replace(plan, flush_prefix_cache=True)) if flushed else msg
+        for link in self.links:
+            link.send(flush_msg if link.rank in flushed else msg)
+
+    async def idle(self, wakeup: asyncio.Event) -> None:
+        """Wait for `wakeup`, but notice a rank whose stream breaks meanwhile (an idle group is watched too)."""
+        woken = asyncio.ensure_future(wakeup.wait())
+        try:
+            while not woken.done():
+                got = asyncio.ensure_future(self.inbox.get())
+                await asyncio.wait({woken, got}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    break
+                rank, item = got.result()
+                if isinstance(item, str):
+                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
+        finally:
+            woken.cancel()
+
+    async def gather(self, step: int) -> list[Report]:
+        """Every rank's report of `step`, in rank order: the agreement wait."""
+        wait = AgreementWait(step, list(range(len(self.links))), time.monotonic())
+        stalled = False
+        t0 = time.perf_counter()
+        try:
+            while not wait.done:
+                try:
+                    rank, item = await asyncio.wait_for(self.inbox.get(), POLL_S)
+                except TimeoutError:
+                    stalled = await self._check_wait(wait, stalled)
+                    continue
+                if isinstance(item, str):
+                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
+                wait.record(item)  # a duplicate or a stale step's report is ignored, never waited for again
+        finally:
+            if stalled:
+                self.metrics.agreements_stalled.labels(self.name).dec()
+                log.warning("group %s step %d: every rank answered after %.1f s", self.name, step,
+                            time.monotonic() - wait.started_at)
+        self.metrics.agreement_wait.labels(self.name, "step").observe(time.perf_counter() - t0)
+        return wait.reports()
+
+    async def _check_wait(self, wait: AgreementWait, stalled: bool) -> bool:
+        """A wait that has gone on too long: counted and logged once past the stall threshold, and the
+        group goes down past the dead-rank timeout. Returns whether the wait is counted as stalled."""
+        now = time.monotonic()
+        if not stalled and wait.stalled(now, self.stall_threshold):
+            missing = wait.missing()
+            silent = [r for r in missing if not await self.links[r].responsive()]
+            log.warning("group %s step %d: agreement wait stalled for %.1f s; ranks not answered: %s; "
+                        "not responding at all: %s", self.name, wait.step, now - wait.started_at, missing, silent)
+            self.metrics.agreements_stalled.labels(self.name).inc()
+            self.metrics.agreement_stalls.labels(self.name).inc()
+            stalled = True
+        dead = wait.dead(now, self.dead_rank_timeout)
+        if dead:
+            raise GroupDown(f"rank(s) {dead} of group {self.name} silent for {self.dead_rank_timeout:.0f} s at "
+                            f"step {wait.step}", dead)
+        return stalled
+
+    def poke_survivors(self, dead: list[int], step: int) -> None:
+        """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
+        dead peer, so each survivor finds its group broken and exits, and the group can be recreated
+        as a whole, instead of idling on at a step no new peer will ever reach."""
+        for link in self.links:
+            if link.rank not in dead and link.streaming:
+                link.send(Plan(step=step))
+
+    async def close(self) -> None:
+        for link in self.links:
+            await link.close()

@@ -1,0 +1,161 @@
+"""What an HTTP request body may hold: a strict JSON reader and the accepted fields of each endpoint.
+
+The policy (README, docs/commands.md and /openapi.json say the same): a field is accepted if Lockstep
+implements it, or if its value is the one that asks for nothing (`frequency_penalty: 0`, `logprobs: null`,
+`echo: false`, ...); `null` always means "not sent". Anything else is a 400 that names the field, so a
+client never believes it got something it did not. The reader refuses what Python's `json` would let
+through: NaN and Infinity, numbers too large for a float, 4300-digit integers, bodies nested deeper than
+any request needs, and unpaired UTF-16 surrogates (no tokenizer takes them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from lockstep.coordinator.generation import ApiError, json_field
+
+MAX_BODY_BYTES = 4 << 20  # aiohttp's client_max_size: a bigger body is a 413
+MAX_JSON_DEPTH = 32  # the deepest accepted request is 4 levels; a 10000-level body is a 400, not a RecursionError
+MAX_USER_CHARS = 256
+MESSAGE_FIELDS = ("role", "content", "name")
+STREAM_OPTIONS = {"include_usage": None, "continuous_usage_stats": (False,)}  # None: implemented
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Implemented on both endpoints (generation.py checks their ranges), then each endpoint's own.
+SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+            "ignore_eos", "stream", "stream_options", "return_token_ids", "user")
+IMPLEMENTED = {"completions": ("prompt", *SAMPLING), "chat": ("messages", *SAMPLING), "reset_prefix_cache": ("rank",)}
+
+# Not implemented: accepted only at the value that asks for nothing (or null).
+_NOOP_COMMON: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_tokens": (0,), "min_p": (0,), "stop_token_ids": ([],), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
+}
+NOOP: dict[str, dict[str, tuple]] = {
+    "completions": {**_NOOP_COMMON, "logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ("",),
+                    "prompt_logprobs": ()},
+    "chat": {**_NOOP_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+             "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,)},
+    "reset_prefix_cache": {},
+}
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} does not fit a 64-bit float")
+    return value
+
+
+def _check_tree(body: dict) -> None:
+    """Depth and text of every value, without recursion (a deep body must not exhaust the stack)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate, which is not text")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, (str, list, dict)))
+
+
+def same(a: Any, b: Any) -> bool:
+    """JSON equality: false is not 0, 1.0 is 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def check_fields(body: Mapping[str, Any], endpoint: str) -> None:
+    """Every field of the body is implemented, or sent at its no-op value; else a 400 naming it."""
+    noop = NOOP[endpoint]
+    for name, value in body.items():
+        if name in IMPLEMENTED[endpoint]:
+            continue
+        if name not in noop:
+            raise ApiError(400, f"unsupported field '{name}': Lockstep does not implement it "
+                                f"(see /openapi.json for the accepted fields)", name, "unsupported_field")
+        if value is not None and not any(same(value, v) for v in noop[name]):
+            allowed = " or ".join(json.dumps(v) for v in (None, *noop[name]))
+            raise ApiError(400, f"'{name}' is not supported: it is accepted only as {allowed}", name,
+                           "unsupported_value")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", "user")
+
+
+def check_shadowed_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
+    """`max_completion_tokens` sent beside `max_tokens` (which wins) still has its documented range, so a
+    bad value is never silently ignored."""
+    if body.get("max_tokens") is None:
+        return  # then it is the limit, and generation.py checks it as one
+    value = json_field(body, "max_completion_tokens", (int,))
+    if value is not None and not 1 <= value < max_model_len:
+        raise ApiError(400, f"'max_completion_tokens' must be between 1 and {max_model_len - 1}",
+                       "max_completion_tokens")
+
+
+def stream_options(body: Mapping[str, Any]) -> bool:
+    """Whether the client asked for a usage chunk at the end of its stream (`stream_options.include_usage`)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    for name, value in options.items():
+        noop = STREAM_OPTIONS.get(name, ())
+        param = f"stream_options.{name}"
+        if name not in STREAM_OPTIONS:
+            raise ApiError(400, f"unsupported field '{param}'", param, "unsupported_field")
+        if value is not None and noop is not None and not any(same(value, v) for v in noop):
+            raise ApiError(400, f"'{param}' is not supported: it is accepted only as null or false", param,
+                           "unsupported_value")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    return bool(include)
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat's messages: a non-empty array of {role, content, name?}, text only; a 400 naming the first bad one."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"{where} must be an object with a string 'role' and 'content'", "messages")
+        extra = [k for k in m if k not in MESSAGE_FIELDS and m[k] is not None]
+        if extra:
+            raise ApiError(400, f"unsupported field '{where}.{extra[0]}' (a message has {', '.join(MESSAGE_FIELDS)})",
+                           "messages", "unsupported_field")
+        if not isinstance(m.get("content"), (str, type(None))):
+            raise ApiError(400, f"{where}.content must be a string (content parts are not supported)", "messages")
+        if not isinstance(m.get("name"), (str, type(None))):
+            raise ApiError(400, f"{where}.name must be a string", "messages")
+    return messages

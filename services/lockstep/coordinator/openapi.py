@@ -1,0 +1,199 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at GET /openapi.json.
+
+Written by hand, but from the code's own tables: the accepted fields of each endpoint are
+openai_fields.py's (implemented, or accepted at their no-op value), their ranges are generation.py's
+constants, and the served model's name, context length and vocabulary fill in the limits that depend on
+it. tests/test_openapi.py checks that every route the server has is here and nothing else, and fuzzes a
+running server against this document with schemathesis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lockstep.coordinator import generation as g
+from lockstep.coordinator.openai_fields import (
+    IMPLEMENTED,
+    MAX_BODY_BYTES,
+    MAX_USER_CHARS,
+    MESSAGE_FIELDS,
+    NOOP,
+    STREAM_OPTIONS,
+)
+
+# Paths that need no API key (probes, scrapers, discovery); everything else does when keys are set.
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/version")
+# The query parameters each route takes; any other is a 400 naming it.
+QUERY_PARAMS = {"/admin/reset_prefix_cache": ("rank",), "/admin/steps": ("group", "since")}
+QUERY_INT_MAX = 10**18 - 1
+NULL = {"type": "null"}
+BOOL = {"type": "boolean"}
+INT = {"type": "integer"}
+STR = {"type": "string"}
+_ERR = "#/components/responses/"
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, NULL]}
+
+
+def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
+    """The schema of every implemented field (each also takes null: "not sent")."""
+    stop = {"type": "string", "minLength": 1, "maxLength": g.MAX_STOP_CHARS}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
+    message = {"type": "object", "required": ["role"], "additionalProperties": NULL,  # other keys: null only
+               "properties": {name: STR if name == "role" else _nullable(STR) for name in MESSAGE_FIELDS}}
+    options = {name: _nullable(BOOL) if noop is None else {"enum": [None, *noop]}
+               for name, noop in STREAM_OPTIONS.items()}
+    return {
+        "model": {"type": "string", "enum": [model], "description": "the served model (any other is a 404)"},
+        "prompt": {"anyOf": [STR, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": STR},
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}],
+                   "description": "text, or token ids; prompt tokens + max_tokens <= the context length "
+                                  f"({max_model_len})"},
+        "messages": {"type": "array", "minItems": 1, "items": message,
+                     "description": "rendered by the model's chat template; content is text only"},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
+                       "description": "default: up to the context length"},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
+                                  "description": "max_tokens under its newer name (max_tokens wins)"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": g.TEMPERATURE_MAX, "description": "0: greedy"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": g.TOP_K_MAX, "description": "-1 or 0: off"},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "one choice per request"},
+        "seed": {"type": "integer", "minimum": g.SEED_MIN, "maximum": g.SEED_MAX},
+        "stop": {"anyOf": [stop, {"type": "array", "maxItems": g.MAX_STOP_STRINGS, "items": stop}]},
+        "ignore_eos": BOOL,
+        "stream": {**BOOL, "description": "server-sent events, ending with data: [DONE]"},
+        "stream_options": {"type": "object", "additionalProperties": False, "properties": options},
+        "return_token_ids": {**BOOL, "description": "add prompt_token_ids and choices[].token_ids (vLLM)"},
+        "user": {"type": "string", "maxLength": MAX_USER_CHARS, "description": "the caller's id; no effect"},
+        "rank": {"type": "integer", "minimum": 0, "description": "one rank of every group (default: all ranks)"},
+    }
+
+
+def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) -> dict:
+    """The body of an endpoint: its implemented fields and its no-op fields (an enum of the no-op values)."""
+    known = _field_schemas(model, max_model_len, vocab)
+    props = {name: _nullable(known[name]) for name in IMPLEMENTED[endpoint]}
+    for name, values in NOOP[endpoint].items():
+        props[name] = {"enum": [None, *values], "description": "not implemented: accepted only at this value"}
+    required = {"completions": ["prompt"], "chat": ["messages"]}.get(endpoint, [])
+    for name in required:
+        props[name] = known[name]
+    return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
+
+
+def _responses() -> dict[str, dict]:
+    error = {"description": "OpenAI's error body", "content": {"application/json": {"schema": {
+        "$ref": "#/components/schemas/Error"}}}}
+    return {
+        "BadRequest": {**error, "description": "a field is invalid, unsupported or out of range (it is named)"},
+        "Unauthorized": {**error, "description": "API keys are set and the request has none of them",
+                         "headers": {"WWW-Authenticate": {"schema": STR}}},
+        "NotFound": {**error, "description": "no such model or group"},
+        "TooLarge": {**error, "description": f"the body is over the limit ({MAX_BODY_BYTES} bytes by default)"},
+        "Unavailable": {**error, "description": "no group can serve now; retry later",
+                        "headers": {"Retry-After": {"schema": STR}}},
+    }
+
+
+def _schemas() -> dict[str, dict]:
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT,
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": INT}}}}
+    reason = {"enum": [None, "stop", "length", "abort", "error"]}
+    ids = {"type": "array", "items": INT}
+    message = {"type": "object", "required": ["role", "content"], "properties": {"role": STR, "content": STR}}
+    common = {"id": STR, "created": INT, "model": STR, "usage": usage, "prompt_token_ids": ids}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"], "properties": {
+                "message": STR, "type": STR, "param": _nullable(STR), "code": _nullable(STR)}}}},
+        "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+            **common, "object": {"const": "text_completion"}, "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": NULL, "token_ids": ids}}}}},
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+            **common, "object": {"const": "chat.completion"}, "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                    "index": INT, "message": message, "finish_reason": reason, "logprobs": NULL,
+                    "token_ids": ids}}}}},
+        "Models": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
+                "id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR, "max_model_len": INT}}}}},
+        "Steps": {"type": "object", "required": ["group", "steps", "next"], "properties": {
+            "group": STR, "next": INT, "steps": {"type": "array", "items": {"type": "array", "items": {
+                "type": "number"}}}}},
+    }
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _operation(summary: str, ok: dict, errors: tuple[str, ...], body: dict | None = None,
+               query: tuple[tuple[str, dict], ...] = (), secured: bool = True) -> dict:
+    statuses = {"400": "BadRequest", "401": "Unauthorized", "404": "NotFound", "413": "TooLarge",
+                "503": "Unavailable"}
+    responses = {"200": ok, **{code: {"$ref": _ERR + name} for code, name in statuses.items() if code in errors}}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if secured:
+        op["security"] = [{"bearerAuth": []}]
+    if body is not None:
+        # a body none of whose fields is required may be left out altogether
+        op["requestBody"] = {"required": body.get("required") != [], "content": {"application/json": {
+            "schema": body}}}
+    if query:
+        op["parameters"] = [{"name": n, "in": "query", "required": False, "schema": s} for n, s in query]
+    return op
+
+
+def _paths(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
+    body = lambda endpoint: request_schema(endpoint, model, max_model_len, vocab)  # noqa: E731
+    ref = lambda name: {"$ref": "#/components/schemas/" + name}  # noqa: E731
+    gen_errors = ("400", "401", "404", "413", "503")
+    events = {"text/event-stream": {"schema": {  # one server-sent event (before OpenAPI 3.2 the schema is per event)
+        "type": "object", "required": ["data"], "properties": {"event": STR, "data": {
+            **STR, "description": "a chunk as JSON (an error body if the request failed mid-stream), then [DONE]"}}}}}
+    query_int = {"type": "integer", "minimum": 0, "maximum": QUERY_INT_MAX}
+    text = {"description": "Prometheus text", "content": {"text/plain": {"schema": STR}}}
+    return {
+        "/v1/completions": {"post": _operation(
+            "a completion of a prompt", {"description": "the completion, or its event stream with stream: true",
+                                         "content": {"application/json": {"schema": ref("Completion")}, **events}},
+            gen_errors, body("completions"))},
+        "/v1/chat/completions": {"post": _operation(
+            "the next message of a chat", {"description": "the message, or its event stream with stream: true",
+                                           "content": {"application/json": {"schema": ref("ChatCompletion")},
+                                                       **events}}, gen_errors, body("chat"))},
+        "/v1/models": {"get": _operation("the served model", _json(ref("Models"), "the one model"), ("400", "401"))},
+        "/admin/reset_prefix_cache": {"post": _operation(
+            "drop the prefix cache of every rank, or of one", _json({"type": "object"}, "done on every group up"),
+            ("400", "401", "413", "503"), body("reset_prefix_cache"),
+            (("rank", query_int),))},
+        "/admin/steps": {"get": _operation(
+            "a group's step timings", _json(ref("Steps"), "one array per step"), ("400", "401", "404"),
+            query=(("group", STR), ("since", query_int)))},
+        "/health": {"get": _operation("200 while some group can serve", _json(
+            {"type": "object"}, "every group: up, reason, step"), ("400", "503"), secured=False)},
+        "/metrics": {"get": _operation("Prometheus metrics", text, ("400",), secured=False)},
+        "/openapi.json": {"get": _operation("this document", _json({"type": "object"}, "OpenAPI 3.1"), ("400",),
+                                            secured=False)},
+        "/version": {"get": _operation("the Lockstep version", _json(
+            {"type": "object", "required": ["version"], "properties": {"version": STR}}, "vLLM's shape"), ("400",),
+            secured=False)},
+    }
+
+
+def openapi_document(model: str, max_model_len: int, vocab: int, version: str) -> dict:
+    """The whole document for a server of `model` (its context length and tokenizer vocabulary)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Lockstep", "version": version,
+                 "description": "OpenAI-compatible API of a Lockstep coordinator. A field not listed for an endpoint "
+                                "is a 400 naming it; null means not sent."},
+        "paths": _paths(model, max_model_len, vocab),
+        "components": {"schemas": _schemas(), "responses": _responses(),
+                       "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
+    }

@@ -1,0 +1,51 @@
+"""The reports of one step as the scheduler takes them: one per rank, all of one step, pools known."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from lockstep.steps import PoolState, Report
+
+
+def in_rank_order(reports: Sequence[Report], ranks: int) -> list[Report]:
+    """The reports of ranks 0..ranks-1 in rank order; ValueError unless there is exactly one from each rank
+    and all are of one step."""
+    by_rank: dict[int, Report] = {}
+    for report in reports:
+        if not isinstance(report.rank, int) or not 0 <= report.rank < ranks:
+            raise ValueError(f"report from rank {report.rank!r}; this group has ranks 0..{ranks - 1}")
+        if report.rank in by_rank:
+            raise ValueError(f"two reports from rank {report.rank}")
+        by_rank[report.rank] = report
+    if len(by_rank) != ranks:
+        missing = sorted(set(range(ranks)) - by_rank.keys())
+        raise ValueError(f"reports of every rank are needed; ranks {missing} are missing")
+    steps = {r.step for r in reports}
+    if len(steps) != 1:
+        raise ValueError(f"reports of different steps mixed: {sorted(steps)}")
+    return [by_rank[r] for r in range(ranks)]
+
+
+class LastPools:
+    """Each rank's last reported pool states, standing in where an error report carries none.
+
+    A rank that refuses a plan it could not read reports no pools. Its last known ones can only overstate
+    what it holds, since a refused step allocates nothing and its releases free pages.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[int, tuple[PoolState, ...]] = {}
+
+    def fill(self, reports: list[Report]) -> list[Report]:
+        """The reports with pools everywhere; [] (schedule nothing) while some rank's are not known yet."""
+        out = []
+        for report in reports:
+            if report.pools:
+                self._pools[report.rank] = report.pools
+            elif report.rank in self._pools:
+                report = replace(report, pools=self._pools[report.rank])
+            else:
+                return []
+            out.append(report)
+        return out

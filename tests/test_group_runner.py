@@ -1,0 +1,133 @@
+"""GroupRunner's own bookkeeping, without ranks: flushes, /health's reason, and what it can hold."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lockstep.coordinator.group import GroupRunner
+from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.request import Request
+from lockstep.steps import Plan, RankInfo, Report
+
+
+class PlanOnly:
+    """A scheduler that plans empty steps: enough for the runner's own bookkeeping."""
+
+    def plan(self, step: int, reports: list[Report], flush: bool = False) -> Plan:
+        return Plan(step=step)
+
+    def cannot_hold(self, request: Request) -> str:
+        return ""
+
+    def requeue_all(self) -> list:
+        return []
+
+    requests: dict = {}
+
+
+def _runner() -> GroupRunner:
+    runner = GroupRunner("g0", ["127.0.0.1:1", "127.0.0.1:2"], Metrics(), print, print, print)
+    runner.scheduler = PlanOnly()
+    return runner
+
+
+def _reports(plan: Plan) -> list[Report]:
+    return [Report(plan.step, r) for r in range(2)]
+
+
+def test_a_flush_asked_while_another_is_in_flight_waits_for_its_own_step():
+    """Bug fix: a second caller shared the first flush's future and was told "done" when the plan already in
+    flight finished, before any plan carried its own flush."""
+
+    async def main() -> None:
+        runner = _runner()
+        first = asyncio.ensure_future(runner.flush(0))
+        await asyncio.sleep(0)
+        plan = runner._next_plan()
+        assert set(runner.flush_sent) == {0}
+        second = asyncio.ensure_future(runner.flush(0))
+        await asyncio.sleep(0)
+        runner._observe(plan, _reports(plan), 0.0)
+        await asyncio.sleep(0.01)
+        assert first.done() and not second.done()
+        runner.step += 1
+        plan = runner._next_plan()
+        assert set(runner.flush_sent) == {0}
+        runner._observe(plan, _reports(plan), 0.0)
+        await asyncio.sleep(0.01)
+        assert second.done()
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_health_says_what_took_the_group_down_and_what_it_waits_for_now():
+    """Bug fix: /health kept the first reason for ever while the coordinator waited for a new group."""
+
+    async def main() -> None:
+        runner = _runner()
+        runner._go_down("rank(s) [1] of group g0 silent for 30 s at step 9", [1])
+        runner._waiting("rank 1 at 127.0.0.1:2 does not answer (UNAVAILABLE)")
+        runner._waiting("the ranks stopped at different steps [9, 10] (a broken group, to be recreated)")
+        assert runner.down_reason == ("rank(s) [1] of group g0 silent for 30 s at step 9; now: the ranks stopped "
+                                      "at different steps [9, 10] (a broken group, to be recreated)")
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_larger_than_the_smallest_pool_is_named_before_it_is_queued():
+    async def main() -> None:
+        runner = _runner()
+        infos = [RankInfo(r, 2, "m", 16, (("full", pages),), 512, 100) for r, pages in enumerate((64, 10))]
+        runner._come_up(infos)
+        assert runner.cannot_hold(Request("ok", list(range(30)), max_tokens=130)) == ""
+        assert runner.cannot_hold(Request("big", list(range(30)), max_tokens=200)) == (
+            "request big needs up to 15 KV pages but the smallest rank pool holds 10")
+        await runner.close()
+
+    asyncio.run(main())
+
+
+class OneGroup:
+    """The group interface the coordinator uses, recording what it is asked."""
+
+    name = "g0"
+    serving = True
+    load = 0
+    capacity_tokens = 0
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+
+    def counts(self) -> tuple[int, int]:
+        return 0, len(self.submitted)
+
+    def cannot_hold(self, request: Request) -> str:
+        return ""
+
+    def submit(self, request: Request) -> None:
+        self.submitted.append(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_client_gone_before_its_first_event_aborts_its_request():
+    """Bug fix: generate() returned an async generator, whose cleanup does not run when it is closed before
+    it started, so a client that dropped before its first event left its request running to the end."""
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.generation import GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=64)
+        group = coord.groups["g0"] = OneGroup()
+        events = coord.generate("r1", GenerateSpec([1, 2, 3], SamplingParams(), 4))
+        assert group.submitted == ["r1"] and "r1" in coord.live
+        await events.aclose()
+        assert group.aborted == ["r1"] and "r1" not in coord.live
+
+    asyncio.run(main())

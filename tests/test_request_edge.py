@@ -1,0 +1,319 @@
+"""No request content breaks the HTTP API: every field is checked at the edge into a 4xx OpenAI error body.
+
+Over the fake frontend of test_generation.py, in process: Python's JSON literals that are not JSON
+(NaN, Infinity), numbers no field can hold, deep nesting, wrong types, unsupported fields, oversized
+bodies, a sampled id past the tokenizer's vocabulary, and clients that hang up before their answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncGenerator
+
+import aiohttp
+import pytest
+
+from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
+from lockstep.coordinator.openai_api import OpenAIServer, run_app
+from lockstep.coordinator.openai_fields import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from lockstep.coordinator.request import FinishReason
+from lockstep.tokenizer import Tokenizer
+from test_generation import TOK, FakeFrontend, _http, _post, tid, tokens
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_PROMPT = {"prompt": [5, 6]}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+class ChatFrontend(FakeFrontend):
+    tokenizer = Tokenizer(TOK._backend, {}, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", {0})
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+# (path, body, status, param or None, words in the message)
+REFUSED = [
+    (C, raw('{"prompt": "x", "temperature": NaN}'), 400, None, "NaN is not a JSON number"),
+    (C, raw('{"prompt": "x", "top_p": Infinity}'), 400, None, "Infinity is not a JSON number"),
+    (C, raw('{"prompt": "x", "temperature": -Infinity}'), 400, None, "-Infinity is not a JSON number"),
+    (C, raw('{"prompt": "x", "temperature": 1e999}'), 400, None, "does not fit a 64-bit float"),
+    (C, raw('{"prompt": "x", "seed": ' + "9" * 5000 + "}"), 400, None, "not valid JSON"),
+    (C, raw('{"prompt": ' + "[" * 10000 + "]" * 10000 + "}"), 400, None, "nested deeper"),
+    (C, raw('{"prompt": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}"), 400, None, "nested deeper"),
+    (C, raw('{"prompt": "a\\ud800b"}'), 400, None, "surrogate"),
+    (C, b'{"prompt": "\xff"}', 400, None, "not valid JSON"),
+    (C, raw("[1, 2]"), 400, None, "must be a JSON object"),
+    (C, raw(""), 400, None, "not valid JSON"),
+    (C, {**OK_PROMPT, "max_tokens": 10**30}, 400, "max_tokens", "context length"),
+    (C, {**OK_PROMPT, "max_tokens": True}, 400, "max_tokens", "got a boolean"),
+    (C, {**OK_PROMPT, "max_tokens": "5"}, 400, "max_tokens", "got str"),
+    (C, {**OK_PROMPT, "max_tokens": 2.5}, 400, "max_tokens", "got float"),
+    (C, {**OK_PROMPT, "max_tokens": 3, "max_completion_tokens": 999}, 400, "max_completion_tokens", "between 1"),
+    (C, {**OK_PROMPT, "top_k": 2**70}, 400, "top_k", "up to 2147483647"),
+    (C, {**OK_PROMPT, "seed": 2**63}, 400, "seed", "64-bit"),
+    (C, {**OK_PROMPT, "temperature": 10**400}, 400, "temperature", "out of range"),
+    (C, {**OK_PROMPT, "temperature": "0.5"}, 400, "temperature", "got str"),
+    (C, {"prompt": [1, 10**30]}, 400, "prompt", "token ids must be in"),
+    (C, {"prompt": [1, TOK.vocab_size]}, 400, "prompt", "token ids must be in"),
+    (C, {"prompt": [1, True]}, 400, "prompt", "list of token ids"),
+    (C, {"prompt": [[1], [2]]}, 400, "prompt", "list of token ids"),
+    (C, {"prompt": None}, 400, "prompt", "list of token ids"),
+    (C, {**OK_PROMPT, "n": 2}, 400, "n", "only n=1"),
+    (C, {**OK_PROMPT, "stop": ["a"] * 5}, 400, "stop", "up to 4"),
+    (C, {**OK_PROMPT, "stop": "x" * 257}, 400, "stop", "at most 256 characters"),
+    (C, {**OK_PROMPT, "foo": 1}, 400, "foo", "unsupported field 'foo'"),
+    (C, {**OK_PROMPT, "messages": MSG}, 400, "messages", "unsupported field"),
+    (C, {**OK_PROMPT, "frequency_penalty": 0.5}, 400, "frequency_penalty", "accepted only as null or 0"),
+    (C, {**OK_PROMPT, "frequency_penalty": False}, 400, "frequency_penalty", "accepted only as"),
+    (C, {**OK_PROMPT, "logprobs": 1}, 400, "logprobs", "accepted only as null"),
+    (C, {**OK_PROMPT, "echo": True}, 400, "echo", "accepted only as null or false"),
+    (C, {**OK_PROMPT, "best_of": 2}, 400, "best_of", "accepted only"),
+    (C, {**OK_PROMPT, "user": 5}, 400, "user", "string"),
+    (C, {**OK_PROMPT, "user": "u" * 257}, 400, "user", "at most 256"),
+    (C, {**OK_PROMPT, "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, 400,
+     "stream_options.foo", "unsupported"),
+    (C, {**OK_PROMPT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", "boolean"),
+    (C, {**OK_PROMPT, "stream_options": []}, 400, "stream_options", "object"),
+    (C, {**OK_PROMPT, "model": 5}, 400, "model", "string"),
+    (CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs", "accepted only as null or false"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "accepted only"),
+    (CHAT, {"messages": MSG, "prompt": "x"}, 400, "prompt", "unsupported field"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_calls": [{}]}]}, 400, "messages",
+     "messages[0].tool_calls"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, 400, "messages",
+     "content parts"),
+    (CHAT, {"messages": [{"role": 1, "content": "hi"}]}, 400, "messages", "string 'role'"),
+    (CHAT, {"messages": []}, 400, "messages", "non-empty"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", REFUSED)
+def test_bad_requests_are_4xx_openai_errors_that_name_the_field(path, body, status, param, words):
+    fe = FakeFrontend(tokens("Hello"))
+    (got, answer), = _http(fe, [lambda c: _post(c, path, body)])
+    assert got == status, answer
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert fe.asked == []  # nothing reached the coordinator
+
+
+ACCEPTED = [
+    (C, {**OK_PROMPT, "stop": []}),
+    (C, {**OK_PROMPT, "max_tokens": 8.0, "top_k": 3.0}),
+    (C, {"prompt": [5.0, 6], "user": "me", "model": "tiny"}),
+    (C, {**OK_PROMPT, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": None, "echo": False,
+         "best_of": 1, "logit_bias": {}, "suffix": None, "repetition_penalty": 1, "stop_token_ids": []}),
+    (C, {**OK_PROMPT, "stream": False, "stream_options": {"include_usage": False, "continuous_usage_stats": False}}),
+    (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "a", "tool_calls": None}],
+            "max_completion_tokens": 3}),
+]
+
+
+@pytest.mark.parametrize("path, body", ACCEPTED)
+def test_implemented_fields_and_no_op_values_are_accepted(path, body):
+    fe = ChatFrontend(tokens("Hello"))
+    (got, answer), = _http(fe, [lambda c: _post(c, path, body)])
+    assert got == 200, answer
+    assert len(fe.asked) == 1
+
+
+def test_a_body_over_the_limit_is_a_413_with_the_openai_body():
+    fe = FakeFrontend(tokens("Hello"))
+    big = json.dumps({"prompt": "x" * MAX_BODY_BYTES}).encode()
+    (got, answer), = _http(fe, [lambda c: _post(c, C, big)])
+    assert got == 413 and answer["error"]["type"] == "invalid_request_error"
+    assert str(MAX_BODY_BYTES) in answer["error"]["message"] and fe.asked == []
+
+
+def test_query_parameters_are_checked_like_fields():
+    fe = FakeFrontend([])
+
+    async def get(c, path):
+        resp = await c.get(path)
+        return resp.status, (await resp.json())["error"]["param"] if resp.status != 200 else None
+
+    got = _http(fe, [
+        lambda c: get(c, "/admin/steps?foo=1"),
+        lambda c: get(c, "/health?x=1"),
+        lambda c: get(c, "/admin/steps?since=1_0"),
+        lambda c: get(c, "/admin/steps?since=%201"),
+        lambda c: get(c, "/admin/steps?since=" + "9" * 30),
+        lambda c: _post(c, "/admin/reset_prefix_cache?rank=-1", {}),
+        lambda c: _post(c, "/admin/reset_prefix_cache", {"rank": -1}),
+        lambda c: _post(c, "/admin/reset_prefix_cache", {"rank": "1"}),
+        lambda c: _post(c, "/admin/reset_prefix_cache", {"ranks": 1}),
+        lambda c: _post(c, "/admin/reset_prefix_cache?rank=0", {"rank": -1}),
+        lambda c: _post(c, "/admin/reset_prefix_cache?rank=0", {"rank": 1}),
+        lambda c: _post(c, "/admin/reset_prefix_cache", {"rank": 0}),
+        lambda c: get(c, "/admin/steps?since=1"),
+    ])
+    assert [s for s, _ in got] == [400] * 11 + [200, 200]
+    assert [p if isinstance(p, str) or p is None else p["error"]["param"] for _, p in got[:11]] == [
+        "foo", "x", "since", "since", "since", "rank", "rank", "rank", "ranks", "rank", "rank"]
+
+
+def test_a_wrong_method_is_a_405_with_allow_and_an_error_body():
+    async def call(c):
+        resp = await c.get(C)
+        return resp.status, resp.headers.get("Allow"), await resp.json()
+
+    (status, allow, body), = _http(FakeFrontend([]), [call])
+    assert status == 405 and allow == "POST" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_an_internal_error_is_a_500_with_the_openai_body():
+    class Broken(FakeFrontend):
+        def health_detail(self) -> dict:
+            raise RuntimeError("bug")
+
+    async def call(c):
+        resp = await c.get("/health")
+        return resp.status, await resp.json()
+
+    (status, body), = _http(Broken([]), [call])
+    assert status == 500 and body["error"]["type"] == "server_error" and "bug" not in body["error"]["message"]
+
+
+def test_version():
+    import lockstep
+
+    async def call(c):
+        resp = await c.get("/version")
+        return resp.status, await resp.json()
+
+    assert _http(FakeFrontend([]), [call]) == [(200, {"version": lockstep.__version__})]
+
+
+# ----- output past the tokenizer's vocabulary
+
+
+def test_a_sampled_id_past_the_tokenizers_vocabulary_reads_as_nothing():
+    """A model whose embedding is padded can sample an id the tokenizer has no text for: it was a
+    ValueError from the decoder inside the response (a 500, or a broken stream)."""
+    past = TOK.vocab_size + 5
+    fe = FakeFrontend([TokenEvent(tid("Hello")), TokenEvent(past), TokenEvent(tid(" wor")),
+                       TokenEvent(None, FinishReason.LENGTH)])
+    (s1, whole), (s2, sse) = _http(fe, [
+        lambda c: _post(c, C, {**OK_PROMPT, "return_token_ids": True}),
+        lambda c: _post(c, C, {**OK_PROMPT, "stream": True, "return_token_ids": True}),
+    ])
+    assert s1 == 200 and whole["choices"][0]["text"] == "Hello wor"
+    assert whole["choices"][0]["token_ids"] == [tid("Hello"), past, tid(" wor")]
+    chunks = [json.loads(line[6:]) for line in sse.split("\n") if line.startswith("data: {")]
+    assert s2 == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "Hello wor"
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == [tid("Hello"), past, tid(" wor")]
+
+
+def test_an_internal_error_inside_a_stream_ends_it_with_an_error_event():
+    """Once the 200 went out, a bug can only be reported in the stream; it used to leave the client waiting."""
+
+    class Failing(FakeFrontend):
+        def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
+            async def events() -> AsyncGenerator[TokenEvent, None]:
+                yield TokenEvent(tid("Hello"))
+                raise RuntimeError("bug")
+
+            return events()
+
+    (status, sse), = _http(Failing([]), [lambda c: _post(c, C, {**OK_PROMPT, "stream": True})])
+    events = [json.loads(line[6:]) for line in sse.split("\n") if line.startswith("data: {")]
+    assert status == 200 and sse.rstrip().endswith("data: [DONE]")
+    assert events[0]["choices"][0]["text"] == "Hello" and events[-1]["error"]["type"] == "server_error"
+
+
+# ----- clients that hang up
+
+
+class Hanging(FakeFrontend):
+    """A request that never ends (it waits in the queue, or the group is slow); records its abort."""
+
+    def __init__(self, first: list[TokenEvent]) -> None:
+        super().__init__(first)
+        self.started = asyncio.Event()
+
+    def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
+        self.asked.append((request_id, spec))
+
+        async def events() -> AsyncGenerator[TokenEvent, None]:
+            try:
+                self.started.set()
+                for ev in self.events:
+                    yield ev
+                await asyncio.Event().wait()
+                yield TokenEvent(None, FinishReason.LENGTH)  # pragma: no cover
+            finally:
+                self.closed.append("closed")
+
+        return events()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("stream, first", [(False, []), (False, [TokenEvent(5)]), (True, [])])
+def test_a_client_that_hangs_up_aborts_its_request(stream, first):
+    """Served as `lockstep coordinator` serves (run_app, no handler cancellation): a non-streaming client
+    that hangs up, or a streaming one before its first token, had its request run to the end."""
+    fe = Hanging(first)
+
+    async def go() -> list[str]:
+        port = _free_port()
+        runner = await run_app(OpenAIServer(fe).app(), "127.0.0.1", port)
+        try:
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(asyncio.TimeoutError):
+                    async with session.post(f"http://127.0.0.1:{port}{C}", json={**OK_PROMPT, "stream": stream},
+                                            timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+                        await resp.read()
+            for _ in range(50):
+                if fe.closed:
+                    break
+                await asyncio.sleep(0.1)
+            return list(fe.closed)  # before cleanup, which cancels every handler left
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == ["closed"]
+    assert len(fe.asked) == 1
+
+
+def test_grpc_requests_have_the_same_limits():
+    from lockstep.coordinator.grpc_api import MAX_REQUEST_ID_CHARS, request_spec
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+
+    fe = FakeFrontend([])
+    ids = ipb.TokenIds(ids=[5, 6])
+    for req, param in ((ipb.GenerateRequest(token_ids=ids, request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), "request_id"),
+                       (ipb.GenerateRequest(token_ids=ids, stop=["x" * 257]), "stop"),
+                       (ipb.GenerateRequest(token_ids=ids, top_k=2**40), "top_k"),
+                       (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 2**62])), "prompt"),
+                       (ipb.GenerateRequest(token_ids=ids, max_tokens=2**62), "max_tokens")):
+        with pytest.raises(ApiError) as info:
+            request_spec(fe, req)
+        assert (info.value.status, info.value.param) == (400, param)
+    assert request_spec(fe, ipb.GenerateRequest(token_ids=ids, request_id="r" * MAX_REQUEST_ID_CHARS))[1] == "r" * 256
+
+
+@pytest.mark.parametrize("retry_after, header", [(None, "5"), (12.3, "13"), (0.01, "1")])
+def test_a_503_says_when_to_retry(retry_after, header):
+    class Down(FakeFrontend):
+        def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
+            raise ApiError(503, "no group can serve now", code="group_unavailable", err_type="service_unavailable",
+                           retry_after=retry_after)
+
+    async def call(c):
+        resp = await c.post(C, json=OK_PROMPT)
+        return resp.status, resp.headers.get("Retry-After"), (await resp.json())["error"]["code"]
+
+    assert _http(Down([]), [call]) == [(503, header, "group_unavailable")]
+    assert ApiError(400, "x").headers() == {}
