@@ -131,3 +131,38 @@ def test_a_client_gone_before_its_first_event_aborts_its_request():
         assert group.aborted == ["r1"] and "r1" not in coord.live
 
     asyncio.run(main())
+
+
+def test_a_replayed_request_goes_only_to_a_group_that_can_hold_it_and_waits_otherwise():
+    """Bug fix: a group's requests were re-admitted on a group whose smallest pool was too small for them,
+    and then failed with a non-retriable 400 after they had streamed tokens. Now they go where they fit,
+    oldest first, or wait for such a group (then a retriable 503 past --replay-timeout)."""
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.generation import GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    class Small(OneGroup):
+        name = "small"
+
+        def cannot_hold(self, request: Request) -> str:
+            return "too small" if request.max_tokens > 8 else ""
+
+        def adopt(self, requests: list[Request]) -> None:
+            self.adopted = [r.request_id for r in requests]
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(replay_timeout=60), tokenizer=None, model_name="m", max_model_len=64)
+        home = coord.groups["g0"] = OneGroup()
+        small = coord.groups["small"] = Small()
+        small.serving = False  # routing sends everything to g0 first
+        for i, n in enumerate((4, 20, 6)):
+            coord.generate(f"r{i}", GenerateSpec([1, 2, 3], SamplingParams(), n))
+        small.serving = True
+        reqs = [coord.live[f"r{i}"].request for i in range(3)]
+        coord._replay("g0", reqs, "rank 1 of group g0 is down")
+        assert small.adopted == ["r0", "r2"]  # oldest first, only what fits
+        assert list(coord._parked) == ["r1"] and coord.live["r1"].queue.empty()  # waits, not failed
+        assert coord.live["r0"].group == "small" and coord.live["r1"].group == "g0"
+
+    asyncio.run(main())

@@ -204,3 +204,86 @@ def test_builtin_model_served_says_paris(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_rank_kv_pages_takes_a_group_prefix(capsys):
+    """A bare `RANK=PAGES` keeps its one-group meaning (group 0); `G:RANK=PAGES` names another group."""
+    from lockstep.serve import parse_args
+
+    args = parse_args(["--dp", "2", "--rank-kv-pages", "1=32", "--rank-kv-pages", "g1:0=16"], env={})
+    assert args.dp == 2 and args.rank_pages == {(0, 1): 32, (1, 0): 16}
+    assert parse_args([], env={"LOCKSTEP_DP": "3"}).dp == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rank-kv-pages", "1:0=16"], env={})
+    assert "names group 1, but --dp is 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--dp", "0"], env={})
+    assert "--dp must be >= 1" in capsys.readouterr().err
+
+
+def _routed(metrics: str, group: str) -> float:
+    return sum(float(n) for n in re.findall(rf'lockstep_routing_decisions_total\{{group="{group}",[^}}]*\}} (\S+)',
+                                            metrics))
+
+
+def _groups_up(port: int) -> dict[str, bool]:
+    try:
+        return {name: g["up"] for name, g in http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[1].items()}
+    except (OSError, AttributeError, TypeError, KeyError):
+        return {}
+
+
+def _wait_both_up(proc: subprocess.Popen, port: int, log: Path, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while _groups_up(port) != {"g0": True, "g1": True}:
+        assert proc.poll() is None and time.monotonic() < deadline, (_groups_up(port), log.read_text())
+        time.sleep(0.3)
+
+
+def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tiny_llama, tmp_path):
+    """`--dp 2 --tp 1`: both groups take requests; g1's rank is killed (-9) while requests run on both:
+    only g1 is restarted, g0's rank lives on, every request ends with the undisturbed tokens, and g1
+    comes back up."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
+         "--dp", "2", "--tp", "1", "--kv-pages", "64", "--threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    try:
+        _wait_both_up(proc, port, log_path, 120)
+        undisturbed = http("POST", url + "/v1/completions", body)[1]["choices"][0]["token_ids"]
+        g1_port = re.search(r"g1: rank ports (\d+)", log_path.read_text()).group(1)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        assert len(ranks) == 2
+        g1 = next(r for r in ranks if r.cmdline()[r.cmdline().index("--port") + 1] == g1_port)
+        g0 = next(r for r in ranks if r is not g1)
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(http, "POST", url + "/v1/completions", {**body, "stream": s}, 120)
+                    for s in (False, True)]
+            time.sleep(0.4)
+            metrics = http("GET", url + "/metrics")[1]
+            assert _routed(metrics, "g0") >= 1 and _routed(metrics, "g1") >= 1, metrics
+            g1.kill()
+            results = [f.result(timeout=120) for f in futs]
+        assert [r[0] for r in results] == [200, 200], results
+        assert results[0][1]["choices"][0]["token_ids"] == undisturbed
+        assert _sse_tokens(results[1][1]) == undisturbed
+        assert g0.is_running() and g0 in psutil.Process(proc.pid).children(recursive=True)
+        _wait_both_up(proc, port, log_path, 60)
+        text = log_path.read_text()
+        assert text.count("restarting the group") == 1 and "g1: rank 0 exited" in text, text
+        metrics = http("GET", url + "/metrics")[1]
+        assert 'lockstep_requests_dropped_total{group="g1"} 0.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from checkpoints import random_prompt
@@ -36,7 +37,8 @@ def _stream(url: str, body: dict, hang_up_after: int | None) -> tuple[list[int],
     return ids, reason
 
 
-def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path):
+@pytest.mark.parametrize("requests", [120, pytest.param(2000, marks=[pytest.mark.slow, pytest.mark.timeout(3600)])])
+def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path, requests):
     c = Cluster(tiny_llama, tp=2, kv_pages=[96, 14], log_dir=tmp_path,
                 coordinator_args=["--max-num-seqs", "12", "--max-num-batched-tokens", "96"])
     rng = random.Random(5)
@@ -48,12 +50,15 @@ def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path):
         base = shared[i % 3] if rng.random() < 0.6 else []
         tokens = base + random_prompt(1000 + i, rng.randint(1, 40))
         n = rng.randint(1, 40)
-        kind = rng.choice(["greedy", "greedy", "seeded", "stream", "hangup"])
+        kind = rng.choice(["greedy", "greedy", "seeded", "edge", "stream", "hangup"])
         body = {"prompt": tokens, "max_tokens": n, "ignore_eos": True}
-        if kind != "seeded":
-            body["temperature"] = 0
-        else:
+        if kind == "seeded":
             body.update(temperature=0.8, top_p=0.9, seed=i)
+        elif kind == "edge":  # the edges of every sampling range: none of them may break a step
+            body.update(temperature=rng.choice([1e-30, 2.0, 5e-324]), top_p=rng.choice([1e-12, 1.0]),
+                        top_k=rng.choice([-1, 0, 1, 1 << 30]), seed=rng.choice([-(1 << 63), (1 << 63) - 1]))
+        else:
+            body["temperature"] = 0
         if kind in ("stream", "hangup"):
             ids, reason = _stream(c.url, body, n // 2 if kind == "hangup" and n > 2 else None)
             if reason != "hung up":
@@ -77,8 +82,8 @@ def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path):
         t.start()
         started = time.monotonic()
         with ThreadPoolExecutor(10) as pool:
-            for f in [pool.submit(one, i) for i in range(120)]:
-                f.result(timeout=300)
+            for f in [pool.submit(one, i) for i in range(requests)]:
+                f.result(timeout=3600)
         stop.set()
         t.join()
         c.assert_no_leak()
@@ -86,7 +91,11 @@ def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path):
         assert "refused by the ranks" not in log and "Traceback" not in log
         assert sum(c.metric("lockstep_preemptions_total")) > 0
         assert sum(c.metric("lockstep_prefix_cache_hit_tokens_total")) > 0
-        print(f"120 mixed requests in {time.monotonic() - started:.1f} s")
+        assert sum(c.metric("lockstep_requests")) == 0 and sum(c.metric("lockstep_requests_dropped_total")) == 0
+        assert c.metric("lockstep_rank_up") == [1.0, 1.0]  # nothing a request did took the group down
+        print(f"{requests} mixed requests in {time.monotonic() - started:.1f} s, "
+              f"{int(sum(c.metric('lockstep_preemptions_total')))} preemptions, "
+              f"{int(sum(c.metric('lockstep_prefix_cache_hit_tokens_total')))} cached prompt tokens")
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
