@@ -153,7 +153,7 @@ def test_a_replayed_request_goes_only_to_a_group_that_can_hold_it_and_waits_othe
 
     async def main() -> None:
         coord = Coordinator(CoordinatorConfig(replay_timeout=60), tokenizer=None, model_name="m", max_model_len=64)
-        home = coord.groups["g0"] = OneGroup()
+        coord.groups["g0"] = OneGroup()
         small = coord.groups["small"] = Small()
         small.serving = False  # routing sends everything to g0 first
         for i, n in enumerate((4, 20, 6)):

@@ -165,6 +165,10 @@ class Tokenizer:
             raise ValueError(f"can only encode a string, not {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's own piece for an id (with its space marker), None outside the vocabulary."""
+        return self._backend.id_to_token(token_id)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
         self._check_ids(ids)

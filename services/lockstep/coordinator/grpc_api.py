@@ -6,11 +6,14 @@ generation.py validates them; nothing here knows about the HTTP API.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from lockstep.coordinator.auth import ApiKeys
 from lockstep.coordinator.generation import (
@@ -29,7 +32,9 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
            503: grpc.StatusCode.UNAVAILABLE}
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens")
 MAX_REQUEST_ID_CHARS = 256
-_SERVICE = "/lockstep.v1.InferenceService/"
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_SERVICE = f"/{INFERENCE_SERVICE}/"
+HEALTH_WATCH_POLL_S = 1.0  # how soon a Watch hears that the last group went down (or one came up)
 
 
 def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
@@ -129,11 +134,55 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
 
 
+class InferenceHealth(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for the inference port: SERVING while some group can serve (the frontend's `healthy()`,
+    what GET /health says), NOT_SERVING otherwise; read at each call, so it is never stale."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    def _status(self, service: str) -> int | None:
+        """The status of `service` ("" is the whole server), None for a service this server does not have."""
+        if service not in ("", INFERENCE_SERVICE):
+            return None
+        up = self.frontend.healthy()
+        return health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                    ) -> health_pb2.HealthCheckResponse:
+        """The status now; NOT_FOUND for an unknown service, as the standard asks."""
+        status = self._status(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """The status, then every change of it, until the client goes away."""
+        last = None
+        while True:
+            status = self._status(request.service)
+            status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(HEALTH_WATCH_POLL_S)
+
+    async def List(self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+                   ) -> health_pb2.HealthListResponse:
+        """Every service this port has, with its status."""
+        statuses = {name: health_pb2.HealthCheckResponse(status=self._status(name)) for name in ("", INFERENCE_SERVICE)}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 async def start_grpc(frontend: Frontend, host: str, port: int, api_keys: Iterable[str] = ()) -> grpc.aio.Server:
     """Serve the inference service for `frontend` (the coordinator); with `api_keys`, only to their holders."""
     keys = ApiKeys(api_keys)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(frontend), server)
+    # open like HTTP's /health: a probe and grpcurl need no key (the interceptor guards only inference calls)
+    health_pb2_grpc.add_HealthServicer_to_server(InferenceHealth(frontend), server)
+    reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server

@@ -72,6 +72,8 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
@@ -119,8 +121,9 @@ class OpenAIServer:
             raise ApiError(400, f"unsupported query parameter '{unknown[0]}'", unknown[0], "unsupported_field")
         return await handler(request)
 
-    async def _json(self, request: web.Request, endpoint: str) -> dict:
-        body = load_body(await request.read())
+    async def _json(self, request: web.Request, endpoint: str, body: dict | None = None) -> dict:
+        """The body (read now unless given), its fields checked for `endpoint`, and the model it names."""
+        body = load_body(await request.read()) if body is None else body
         check_fields(body, endpoint)
         if endpoint != "reset_prefix_cache":
             check_model(self.frontend, json_field(body, "model", (str,)))
@@ -164,14 +167,51 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions: the messages go through the model's chat template."""
         body = await self._json(request, "chat")
-        messages = check_messages(body.get("messages"))
-        try:
-            text = self.frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as exc:
-            raise ApiError(400, f"the chat template could not be applied: {exc}", "messages") from exc
+        text = self._chat_text(check_messages(body.get("messages")))
         prompt_ids = self.frontend.tokenizer.encode(text, add_special_tokens=False)
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
         return await self._respond(request, body, spec, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered by the chat template as /v1/chat would,
+        to token ids, so a client can count tokens against max_model_len before it sends a request."""
+        raw = load_body(await request.read())
+        body = await self._json(request, "tokenize_chat" if "messages" in raw else "tokenize", raw)
+        tokenizer = self.frontend.tokenizer
+        if "messages" in body:
+            text = self._chat_text(check_messages(body.get("messages")),
+                                   json_field(body, "add_generation_prompt", (bool,), True))
+            special = json_field(body, "add_special_tokens", (bool,), False)
+        else:
+            text = json_field(body, "prompt", (str,))
+            if text is None:
+                raise ApiError(400, "the request needs a 'prompt' (a string) or 'messages'", "prompt")
+            special = json_field(body, "add_special_tokens", (bool,), True)
+        ids = tokenizer.encode(text, add_special_tokens=special)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids}
+        if json_field(body, "return_token_strs", (bool,), False):
+            # vLLM's convert_ids_to_tokens: the vocabulary's strings ("▁world"), which a one-id decode would strip
+            out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+        return web.json_response(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize (vLLM's): token ids to their text, special tokens kept, so it inverts /tokenize."""
+        body = await self._json(request, "detokenize")
+        tokens = json_field(body, "tokens", (list,))
+        if tokens is None or not all(_is_integer(t) for t in tokens):
+            raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+        try:
+            text = self.frontend.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "tokens") from exc
+        return web.json_response({"prompt": text})
+
+    def _chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat, or a 400 when the model's template refuses it."""
+        try:
+            return self.frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as exc:
+            raise ApiError(400, f"the chat template could not be applied: {exc}", "messages") from exc
 
     async def _respond(self, request: web.Request, body: dict, spec: GenerateSpec, chat: bool) -> web.StreamResponse:
         stream = json_field(body, "stream", (bool,), False)

@@ -28,7 +28,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # Implemented on both endpoints (generation.py checks their ranges), then each endpoint's own.
 SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
             "ignore_eos", "stream", "stream_options", "return_token_ids", "user")
-IMPLEMENTED = {"completions": ("prompt", *SAMPLING), "chat": ("messages", *SAMPLING), "reset_prefix_cache": ("rank",)}
+IMPLEMENTED = {"completions": ("prompt", *SAMPLING), "chat": ("messages", *SAMPLING), "reset_prefix_cache": ("rank",),
+               # vLLM's /tokenize takes a prompt or a chat (two request kinds), /detokenize token ids
+               "tokenize": ("model", "prompt", "add_special_tokens", "return_token_strs"),
+               "tokenize_chat": ("model", "messages", "add_generation_prompt", "add_special_tokens",
+                                 "return_token_strs"),
+               "detokenize": ("model", "tokens")}
 
 # Not implemented: accepted only at the value that asks for nothing (or null).
 _NOOP_COMMON: dict[str, tuple] = {
@@ -41,7 +46,7 @@ NOOP: dict[str, dict[str, tuple]] = {
                     "prompt_logprobs": ()},
     "chat": {**_NOOP_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
              "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,)},
-    "reset_prefix_cache": {},
+    "reset_prefix_cache": {}, "tokenize": {}, "tokenize_chat": {}, "detokenize": {},
 }
 
 

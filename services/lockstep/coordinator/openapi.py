@@ -69,16 +69,23 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
         "return_token_ids": {**BOOL, "description": "add prompt_token_ids and choices[].token_ids (vLLM)"},
         "user": {"type": "string", "maxLength": MAX_USER_CHARS, "description": "the caller's id; no effect"},
         "rank": {"type": "integer", "minimum": 0, "description": "one rank of every group (default: all ranks)"},
+        "add_special_tokens": {**BOOL, "description": "default: true for a prompt, false for messages (vLLM)"},
+        "add_generation_prompt": {**BOOL, "description": "end the chat with the assistant's turn (default: true)"},
+        "return_token_strs": {**BOOL, "description": "add token_strs, each token's text"},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}},
     }
 
 
 def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) -> dict:
     """The body of an endpoint: its implemented fields and its no-op fields (an enum of the no-op values)."""
     known = _field_schemas(model, max_model_len, vocab)
+    if endpoint == "tokenize":
+        known["prompt"] = {**STR, "description": "the text to tokenize"}
     props = {name: _nullable(known[name]) for name in IMPLEMENTED[endpoint]}
     for name, values in NOOP[endpoint].items():
         props[name] = {"enum": [None, *values], "description": "not implemented: accepted only at this value"}
-    required = {"completions": ["prompt"], "chat": ["messages"]}.get(endpoint, [])
+    required = {"completions": ["prompt"], "chat": ["messages"], "tokenize": ["prompt"], "tokenize_chat": ["messages"],
+                "detokenize": ["tokens"]}.get(endpoint, [])
     for name in required:
         props[name] = known[name]
     return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
@@ -122,6 +129,9 @@ def _schemas() -> dict[str, dict]:
         "Models": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
                 "id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR, "max_model_len": INT}}}}},
+        "Tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+            "count": INT, "max_model_len": INT, "tokens": ids, "token_strs": {"type": "array", "items": STR}}},
+        "Detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": STR}},
         "Steps": {"type": "object", "required": ["group", "steps", "next"], "properties": {
             "group": STR, "next": INT, "steps": {"type": "array", "items": {"type": "array", "items": {
                 "type": "number"}}}}},
@@ -168,6 +178,12 @@ def _paths(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
                                            "content": {"application/json": {"schema": ref("ChatCompletion")},
                                                        **events}}, gen_errors, body("chat"))},
         "/v1/models": {"get": _operation("the served model", _json(ref("Models"), "the one model"), ("400", "401"))},
+        "/tokenize": {"post": _operation(
+            "the token ids of a prompt or of a chat (vLLM)", _json(ref("Tokenize"), "the tokens"),
+            ("400", "401", "404", "413"), {"oneOf": [body("tokenize"), body("tokenize_chat")]})},
+        "/detokenize": {"post": _operation(
+            "the text of token ids (vLLM)", _json(ref("Detokenize"), "the text"), ("400", "401", "404", "413"),
+            body("detokenize"))},
         "/admin/reset_prefix_cache": {"post": _operation(
             "drop the prefix cache of every rank, or of one", _json({"type": "object"}, "done on every group up"),
             ("400", "401", "413", "503"), body("reset_prefix_cache"),

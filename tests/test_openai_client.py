@@ -1,0 +1,107 @@
+"""Conformance with the official `openai` Python client against a real served group (one rank, the tiny
+Llama): completions and chat, sync and async, streaming with `include_usage`, and every error raised as
+the client's own exception type. What a client library parses is checked by the client itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "client-key"
+MODEL = "tiny"
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    """One rank behind an API key, as a client would meet a deployment."""
+    from cluster import Cluster
+
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path_factory.mktemp("logs"),
+                coordinator_args=["--api-key", KEY, "--served-model-name", MODEL])
+    yield c
+    c.close()
+
+
+def _client(served, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_sync_completion_and_chat(served):
+    client = _client(served)
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, temperature=0, seed=1)
+    assert done.object == "text_completion" and done.model == MODEL and len(done.choices) == 1
+    assert done.choices[0].finish_reason in ("stop", "length") and isinstance(done.choices[0].text, str)
+    assert done.usage.prompt_tokens > 0 and 0 < done.usage.completion_tokens <= TOKENS
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=TOKENS, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert isinstance(chat.choices[0].message.content, str) and chat.usage.completion_tokens <= TOKENS
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_sync_streams_end_with_a_usage_chunk(served):
+    client = _client(served)
+    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text  # greedy: the same
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=TOKENS, stream=True,
+                                               stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chat if c.choices]
+    assert deltas[0].role == "assistant" and all(isinstance(d.content, str) for d in deltas)
+    assert chat[-1].choices == [] and 0 < chat[-1].usage.completion_tokens <= TOKENS
+    assert all(c.usage is None for c in chat[:-1]) and chat[-2].choices[0].finish_reason in ("stop", "length")
+
+
+def test_async_completion_chat_and_stream(served):
+    async def go() -> tuple:
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            done, chat = await asyncio.gather(
+                c.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, temperature=0),
+                c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=TOKENS, temperature=0))
+            stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=TOKENS, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+        return done, chat, chunks
+
+    done, chat, chunks = asyncio.run(go())
+    assert done.choices[0].text is not None and chat.choices[0].message.content is not None
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy: streamed and whole agree
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_errors_are_the_clients_exception_types(served):
+    client = _client(served)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, top_p=0)
+    assert bad.value.status_code == 400 and bad.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, extra_body={"nonsense": 1})
+    assert unsupported.value.code == "unsupported_field" and unsupported.value.param == "nonsense"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert missing.value.status_code == 404
+    with pytest.raises(openai.AuthenticationError) as denied:
+        _client(served, "wrong-key").completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
+
+    async def go_async() -> None:
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0) as c:
+            await c.completions.create(model=MODEL, prompt="Hello", max_tokens=TOKENS, temperature=-1)
+
+    with pytest.raises(openai.BadRequestError):
+        asyncio.run(go_async())
+    served.assert_no_leak()

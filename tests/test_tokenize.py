@@ -1,0 +1,100 @@
+"""vLLM's /tokenize and /detokenize: their request and response shapes, the same field policy and API keys as
+/v1/*, and a request schema in /openapi.json that accepts exactly what the server accepts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from lockstep.coordinator.openapi import openapi_document
+from test_api_keys import KEYS
+from test_generation import TOK, _http, _post, tokens
+from test_request_edge import MSG, ChatFrontend
+
+T, D = "/tokenize", "/detokenize"
+
+
+def _answers(calls: list[tuple[str, object]]) -> list[tuple[int, object]]:
+    fe = ChatFrontend(tokens("Hello"))
+    out = _http(fe, [lambda c, p=p, b=b: _post(c, p, b) for p, b in calls])
+    assert fe.asked == []  # nothing is generated
+    return out
+
+
+def test_tokenize_a_prompt_and_a_chat_and_detokenize_back():
+    ids = TOK.encode("Hello world")
+    chat_ids = TOK.encode("hi\n", add_special_tokens=False)
+    (s1, plain), (s2, strs), (s3, chat), (s4, bare), (s5, text), (s6, empty) = _answers([
+        (T, {"prompt": "Hello world", "model": "tiny"}),
+        (T, {"prompt": "Hello world", "add_special_tokens": False, "return_token_strs": True}),
+        (T, {"messages": MSG, "add_generation_prompt": True}),
+        (T, {"messages": MSG, "add_special_tokens": True, "add_generation_prompt": False}),
+        (D, {"tokens": ids, "model": "tiny"}),
+        (D, {"tokens": []}),
+    ])
+    assert (s1, s2, s3, s4, s5, s6) == (200,) * 6
+    assert plain == {"count": len(ids), "max_model_len": 64, "tokens": ids}  # no token_strs unless asked
+    unspecial = TOK.encode("Hello world", add_special_tokens=False)
+    assert strs["tokens"] == unspecial and strs["token_strs"] == [TOK._backend.id_to_token(i) for i in unspecial]
+    assert [TOK.token_to_id(s) for s in strs["token_strs"]] == unspecial  # the vocabulary's strings
+    assert chat["tokens"] == chat_ids and bare["tokens"] == TOK.encode("hi\n")  # chat: no specials by default
+    assert text == {"prompt": TOK.decode(ids, skip_special_tokens=False)} and empty == {"prompt": ""}
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    (T, {}, "prompt", "needs a 'prompt'"),
+    (T, {"prompt": [1, 2]}, "prompt", "must be of type string"),
+    (T, {"prompt": "x", "messages": MSG}, "prompt", "unsupported field 'prompt'"),
+    (T, {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", "unsupported field"),
+    (T, {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens", "boolean"),
+    (T, {"prompt": "x", "temperature": 0}, "temperature", "unsupported field"),
+    (T, {"messages": []}, "messages", "non-empty"),
+    (T, {"messages": None}, "messages", "non-empty"),
+    (D, {}, "tokens", "list of token ids"),
+    (D, {"tokens": [1, "a"]}, "tokens", "list of token ids"),
+    (D, {"tokens": [10**9]}, "tokens", "outside the vocabulary"),
+    (D, {"tokens": [1], "prompt": "x"}, "prompt", "unsupported field"),
+])
+def test_bad_tokenize_requests_are_400s_naming_the_field_and_the_document_refuses_them(path, body, param, words):
+    (status, answer), = _answers([(path, body)])
+    assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    assert list(_validator(path).iter_errors(body)), body
+
+
+def test_a_wrong_model_is_a_404():
+    (s1, a1), (s2, a2) = _answers([(T, {"prompt": "x", "model": "other"}), (D, {"tokens": [1], "model": "o"})])
+    assert (s1, s2) == (404, 404) and a1["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("path, body", [
+    (T, {"prompt": "x"}), (T, {"prompt": "", "add_special_tokens": None, "model": None}),
+    (T, {"messages": MSG, "return_token_strs": False}), (D, {"tokens": [1, 2.0]}),
+])
+def test_what_the_server_accepts_the_document_accepts(path, body):
+    (status, answer), = _answers([(path, body)])
+    assert status == 200, answer
+    assert not list(_validator(path).iter_errors(body))
+
+
+def _validator(path: str) -> Draft202012Validator:
+    doc = openapi_document("tiny", 64, TOK.vocab_size, "0")
+    return Draft202012Validator(doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"])
+
+
+def test_tokenize_and_detokenize_need_the_api_key():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from lockstep.coordinator.openai_api import OpenAIServer
+
+    async def go() -> list[int]:
+        async with TestClient(TestServer(OpenAIServer(ChatFrontend([]), KEYS).app())) as client:
+            out = []
+            for path, body in ((T, {"prompt": "x"}), (D, {"tokens": [1]})):
+                for key in (None, "wrong", KEYS[1]):
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    out.append((await client.post(path, json=body, headers=headers)).status)
+            return out
+
+    assert asyncio.run(go()) == [401, 401, 200] * 2
