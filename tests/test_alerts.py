@@ -116,9 +116,11 @@ def test_dashboard_has_the_panels_and_variables() -> None:
         "Request rate", "Time to first token", "Inter-token latency", "End-to-end latency", "Tokens/s",
         "Running and waiting requests", "Prefix-cache hit rate", "KV pages by state per rank",
         "Free-page skew per group", "Agreement wait", "Stalled agreements", "Preemptions", "Step time",
-        "Ranks up"}
+        "Ranks up", "Group $group", "Group $group: routed requests", "Group $group: time to first token",
+        "Group $group: ranks up and requests"}
+    assert [p.get("repeat") for p in dash["panels"] if p["type"] == "row"] == ["group"]  # one row per group
     assert {v["name"] for v in dash["templating"]["list"]} >= {"namespace", "deployment", "group"}
     for p in dash["panels"]:
-        for t in p["targets"]:
+        for t in p.get("targets", []):  # a row holds no query
             assert all(f"=~\"${v}\"" in t["expr"] for v in ("namespace", "deployment", "group")), p["title"]
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

@@ -91,4 +91,4 @@ def test_serve_refuses_a_bad_rank_kv_pages(capsys):
     with pytest.raises(SystemExit):
         serve_args(["--rank-kv-pages", "one=5"], env={})
     assert "--rank-kv-pages takes RANK=PAGES" in capsys.readouterr().err
-    assert serve_args(["--rank-kv-pages", "1=32"], env={}).rank_pages == {1: 32}
+    assert serve_args(["--rank-kv-pages", "1=32"], env={}).rank_pages == {(0, 1): 32}

@@ -52,7 +52,8 @@ class LocalRanks:
     """
 
     def __init__(self, commands: Callable[[str], list[list[str]]], env: Mapping[str, str],
-                 quick_s: float = 30.0, max_quick_failures: int = 5) -> None:
+                 quick_s: float = 30.0, max_quick_failures: int = 5, name: str = "g0") -> None:
+        self.name = name
         self.commands = commands
         self.env = dict(env)
         self.quick_s = quick_s
@@ -67,17 +68,20 @@ class LocalRanks:
         self.started_at = time.monotonic()
 
     async def supervise(self, progress: Callable[[str], None]) -> None:
-        """Keep the group up; returns only when it cannot be kept up (it died too often, too soon)."""
+        """Keep the group up; returns only when it cannot be kept up (it died too often, too soon), with
+        its ranks stopped so that a given-up group holds no processes while the other groups serve."""
         quick = 0
         while True:
             rank, code = await self._first_exit()
             quick = quick + 1 if time.monotonic() - self.started_at < self.quick_s else 0
             if quick >= self.max_quick_failures:
-                progress(f"rank {rank} exited with code {code}; the group died {quick} times within "
-                         f"{self.quick_s:.0f} s of starting, giving up")
+                progress(f"{self.name}: rank {rank} exited with code {code}; the group died {quick} times "
+                         f"within {self.quick_s:.0f} s of starting, giving up")
+                await asyncio.to_thread(stop_processes, self.procs)
                 return
             self.restarts += 1
-            progress(f"rank {rank} exited with code {code}; restarting the group (restart {self.restarts})")
+            progress(f"{self.name}: rank {rank} exited with code {code}; restarting the group "
+                     f"(restart {self.restarts})")
             await asyncio.to_thread(stop_processes, self.procs)
             await asyncio.sleep(min(30.0, 0.5 * 2 ** quick))
             self.start()
@@ -91,3 +95,10 @@ class LocalRanks:
 
     def stop(self) -> None:
         stop_processes(self.procs)
+
+
+async def supervise_all(groups: list[LocalRanks], progress: Callable[[str], None]) -> None:
+    """Supervise every local group on its own; returns only when all of them gave up, because the
+    coordinator routes around a down group and the others can go on serving."""
+    await asyncio.gather(*(g.supervise(progress) for g in groups))
+    progress(f"every group ({len(groups)}) gave up")

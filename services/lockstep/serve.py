@@ -1,8 +1,9 @@
-"""`lockstep serve`: a coordinator and N rank processes on this machine, supervised as one.
+"""`lockstep serve`: a coordinator and `--dp` groups of `--tp` rank processes on this machine.
 
 The ranks are the same `lockstep rank` processes a pod runs; the coordinator runs in this process.
-If a rank dies, the supervisor stops the others and starts the whole group again (as the operator
-recreates a group), and the coordinator replays the requests it held there; Ctrl-C stops them all.
+Each group (g0, g1, ...) is supervised on its own: if a rank dies, the supervisor stops the others of
+that group and starts that group again (as the operator recreates a group), while the coordinator
+replays the requests it held there on the groups still up; Ctrl-C stops them all.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from pathlib import Path
 from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.config import API_KEY_HELP, SCHEDULING, CoordinatorConfig
 from lockstep.local_group import free_port
-from lockstep.local_ranks import LocalRanks, rank_command
+from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
 from lockstep.model.config import ModelConfig
 from lockstep.parallel.sharding import valid_tp_sizes
 from lockstep.rank_auth import RankClientAuth, env_with_token, new_token
-from lockstep.settings import add_settings, resolve
+from lockstep.settings import Setting, add_settings, at_least, integer, resolve
+
+DP = Setting("dp", "--dp", "LOCKSTEP_DP", integer, 1,
+             "data-parallel size: local groups g0..g{N-1} of --tp ranks each", at_least(1))
 
 
 def default_tp(model_dir: Path) -> int:
@@ -38,29 +42,34 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; gRPC is served on the next one")
     p.add_argument("--kv-pages", type=int, default=0, help="KV pages per rank (default: from a memory budget)")
-    p.add_argument("--rank-kv-pages", action="append", default=[], metavar="RANK=PAGES",
-                   help="testing knob: give one rank a different KV pool size")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / TP)")
+    p.add_argument("--rank-kv-pages", action="append", default=[], metavar="[GROUP:]RANK=PAGES",
+                   help="testing knob: give one rank a different KV pool size (GROUP: 0..dp-1, default 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / (TP x DP))")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, SCHEDULING)
+    add_settings(p, (DP, *SCHEDULING))
     args = p.parse_args(argv)
-    for name, value in resolve(p, args, SCHEDULING, os.environ if env is None else env).items():
+    for name, value in resolve(p, args, (DP, *SCHEDULING), os.environ if env is None else env).items():
         setattr(args, name, value)
     try:
-        args.rank_pages = _rank_pages(args.rank_kv_pages)
+        args.rank_pages = _rank_pages(args.rank_kv_pages, args.dp)
         args.api_keys = parse_api_keys(args.api_key, (os.environ if env is None else env).get("LOCKSTEP_API_KEY", ""))
     except ValueError as exc:
         p.error(str(exc))
     return args
 
 
-def _rank_pages(items: list[str]) -> dict[int, int]:
-    pages = {}
+def _rank_pages(items: list[str], dp: int = 1) -> dict[tuple[int, int], int]:
+    """(group, rank) -> pages. A bare `RANK=PAGES` means group 0, so the one-group form keeps its meaning."""
+    pages: dict[tuple[int, int], int] = {}
     for item in items:
-        rank, sep, n = item.partition("=")
-        if not sep or not rank.strip().isdigit() or not n.strip().isdigit():
-            raise ValueError(f"--rank-kv-pages takes RANK=PAGES, got {item!r}")
-        pages[int(rank)] = int(n)
+        where, sep, n = item.partition("=")
+        group, colon, rank = where.rpartition(":")
+        group = group.strip().removeprefix("g") if colon else "0"
+        if not sep or not rank.strip().isdigit() or not n.strip().isdigit() or not group.isdigit():
+            raise ValueError(f"--rank-kv-pages takes RANK=PAGES or GROUP:RANK=PAGES, got {item!r}")
+        if int(group) >= dp:
+            raise ValueError(f"--rank-kv-pages names group {group}, but --dp is {dp}")
+        pages[(int(group), int(rank))] = int(n)
     return pages
 
 
@@ -79,6 +88,23 @@ def _model_dir(model: str | None, say) -> Path | None:
     return Path(model)
 
 
+def _groups(args: argparse.Namespace, model_dir: Path, tp: int, threads: int,
+            env: Mapping[str, str]) -> dict[str, tuple[LocalRanks, list[int]]]:
+    """Each local group's supervisor and rank ports; a group keeps its ports across restarts so that the
+    coordinator finds it where it was."""
+    groups: dict[str, tuple[LocalRanks, list[int]]] = {}
+    for g in range(args.dp):
+        ports = [free_port() for _ in range(tp)]
+
+        def commands(rendezvous: str, g: int = g, ports: list[int] = ports) -> list[list[str]]:
+            return [rank_command(r, tp, rendezvous, ports[r], model_dir, args.page_size,
+                                 args.rank_pages.get((g, r), args.kv_pages), threads, args.prefix_caching)
+                    for r in range(tp)]
+
+        groups[f"g{g}"] = (LocalRanks(commands, env, name=f"g{g}"), ports)
+    return groups
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     say = lambda msg: print(f"lockstep: {msg}", file=sys.stderr, flush=True)
@@ -86,31 +112,33 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         return 2
     tp = args.tp or default_tp(model_dir)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
-    ports = [free_port() for _ in range(tp)]
-    say(f"starting {tp} rank(s) of {model_dir.name} (page size {args.page_size})")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (tp * args.dp))
     token = new_token()  # the ranks serve only this coordinator; by environment, never on a command line
-    ranks = LocalRanks(lambda rendezvous: [
-        rank_command(r, tp, rendezvous, ports[r], model_dir, args.page_size, args.rank_pages.get(r, args.kv_pages),
-                     threads, args.prefix_caching) for r in range(tp)], env_with_token(token, os.environ))
-    ranks.start()
+    groups = _groups(args, model_dir, tp, threads, env_with_token(token, os.environ))
+    say(f"starting {args.dp} group(s) of {tp} rank(s) of {model_dir.name} (page size {args.page_size})"
+        if args.dp > 1 else f"starting {tp} rank(s) of {model_dir.name} (page size {args.page_size})")
+    for name, (ranks, ports) in groups.items():
+        say(f"{name}: rank ports {' '.join(map(str, ports))}")
+        ranks.start()
     config = CoordinatorConfig(rank_auth=RankClientAuth(token=token),
-        groups={"g0": tuple(f"127.0.0.1:{p}" for p in ports)}, model=str(model_dir), host=args.host,
-        http_port=args.port, grpc_port=args.port + 1, api_keys=args.api_keys,
-        **{s.dest: getattr(args, s.dest) for s in SCHEDULING},
+        groups={name: tuple(f"127.0.0.1:{p}" for p in ports) for name, (_, ports) in groups.items()},
+        model=str(model_dir), host=args.host, http_port=args.port, grpc_port=args.port + 1,
+        api_keys=args.api_keys, **{s.dest: getattr(args, s.dest) for s in SCHEDULING},
     )
     from lockstep.coordinator.main import run
 
     started = time.monotonic()
 
     def ready() -> None:
-        say(f"group of {tp} rank(s) ready in {time.monotonic() - started:.1f} s")
+        say(f"{args.dp} group(s) of {tp} rank(s): the first ready in {time.monotonic() - started:.1f} s")
         print(f"Lockstep is serving {model_dir.name} at http://{args.host}:{args.port}/v1 "
               f"(gRPC on {args.host}:{args.port + 1})", flush=True)
 
+    supervisors = [ranks for ranks, _ in groups.values()]
     try:
-        return asyncio.run(run(config, on_ready=ready, supervise=ranks.supervise(say), progress=say))
+        return asyncio.run(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say))
     except KeyboardInterrupt:
         return 130
     finally:
-        ranks.stop()
+        for ranks in supervisors:
+            ranks.stop()
