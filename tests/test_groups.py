@@ -212,3 +212,55 @@ def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(tiny_ll
         c.assert_no_leak()
     finally:
         c.close()
+
+
+def test_drain_lets_a_group_finish_what_it_holds_and_resume_takes_it_back(tiny_llama, tmp_path):
+    """POST /admin/drain?group=G: G takes no new request, its running one finishes undisturbed, and the
+    call answers 200 only once G holds nothing; /admin/resume routes to it again."""
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, groups=2)
+    try:
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        p = prompt(80, 20)
+        undisturbed = complete(c, p, 200)["choices"][0]["token_ids"]
+        with ThreadPoolExecutor(2) as pool:
+            fut = pool.submit(complete, c, p, 200)
+            deadline = time.monotonic() + 20
+            running = {}
+            while time.monotonic() < deadline and not any(running.values()):
+                running = {g: sum(c.metric("lockstep_requests", group=g, state="running")) for g in ("g0", "g1")}
+                time.sleep(0.02)
+            busy = "g0" if running["g0"] else "g1"
+            other = "g1" if busy == "g0" else "g0"
+            drain = pool.submit(http, "POST", c.url + f"/admin/drain?group={busy}")
+            time.sleep(0.3)
+            assert not drain.done()  # the running request is still there
+            before = c.metric("lockstep_routing_decisions_total", group=other, reason="least_loaded")
+            for i in range(3):
+                complete(c, prompt(90 + i, 10), 4)
+            assert c.metric("lockstep_routing_decisions_total", group=other, reason="least_loaded")[0] == before[0] + 3
+            status, body = drain.result(timeout=60)
+            assert status == 200 and body["holds_nothing"] is True, body
+            assert fut.result()["choices"][0]["token_ids"] == undisturbed
+        assert sum(c.metric("lockstep_requests", group=busy)) == 0
+        assert http("POST", c.url + f"/admin/resume?group={busy}") == (200, {"group": busy, "draining": False})
+        status, body = http("POST", c.url + "/admin/drain?group=nope")
+        assert status == 404 and body["error"]["code"] == "group_not_found"
+        status, body = http("POST", c.url + f"/admin/drain?group={busy}&migrate=maybe")
+        assert status == 400 and body["error"]["param"] == "migrate"
+        with ThreadPoolExecutor(1) as pool:  # migrate=true: the running request moves at a step boundary
+            fut = pool.submit(complete, c, p, 200)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not sum(c.metric("lockstep_requests", state="running")):
+                time.sleep(0.02)
+            busy = "g0" if sum(c.metric("lockstep_requests", group="g0", state="running")) else "g1"
+            t0 = time.monotonic()
+            status, body = http("POST", c.url + f"/admin/drain?group={busy}&migrate=true")
+            assert status == 200 and body["holds_nothing"] is True
+            assert not fut.done() or time.monotonic() - t0 < 1  # it did not wait for the request to finish
+            assert fut.result()["choices"][0]["token_ids"] == undisturbed
+        assert c.metric("lockstep_requests_migrated_total", group=busy) == [1.0]
+        http("POST", c.url + f"/admin/resume?group={busy}")
+        assert sum(c.metric("lockstep_requests_dropped_total")) == 0
+        c.assert_no_leak()
+    finally:
+        c.close()

@@ -120,3 +120,25 @@ def test_an_error_report_without_pools_does_not_stop_the_next_plan():
     fresh.plan(0, [])
     fresh.apply([Report(0, r, error="unreadable plan") for r in range(2)])
     assert fresh.plan(1, [Report(0, r, error="unreadable plan") for r in range(2)]).batch == ()  # none known yet
+
+
+def test_hand_over_gives_every_request_to_another_group_that_finishes_it_undisturbed():
+    """A drain with migrate: between two plans every request leaves this group (the running ones released
+    by its next plan) and another group adopts them, oldest first, and finishes them with the tokens of an
+    undisturbed run."""
+    a_sched = make_sched(budget=32, seqs=2, caching=False)
+    a = Group(a_sched, [64], caching=False)
+    reqs = [Request(f"m{i}", list(range(1 + i, 9 + i)), max_tokens=10) for i in range(3)]
+    for r in reqs:
+        a_sched.add(r)
+    for _ in range(4):
+        a.run_step()
+    moved = a_sched.hand_over()
+    assert [r.request_id for r in moved] == ["m0", "m1", "m2"] and not a_sched.requests
+    plan = a_sched.plan(a.step, a.reports)
+    assert set(plan.releases) == {"m0", "m1"} and not plan.batch  # released on the old ranks
+    b_sched = make_sched(budget=32, seqs=4)
+    b = Group(b_sched, [64])
+    b_sched.adopt(moved)
+    b.run()
+    assert all(r.generated == reference(r) for r in reqs)

@@ -93,6 +93,13 @@ class Frontend(ServedModel, Protocol):
     def step_log(self, group: str | None, since: int) -> dict:
         """{"group", "steps", "next"}: the group's step timings from entry `since` (KeyError: no such group)."""
 
+    async def drain(self, group: str, migrate: bool = False) -> dict:
+        """Route nothing new to the group; return once it holds nothing, its requests finished or (migrate)
+        moved to other groups (KeyError: no such group)."""
+
+    def resume(self, group: str) -> dict:
+        """Route to the group again (KeyError: no such group)."""
+
 
 # ----- request fields
 

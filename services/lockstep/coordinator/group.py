@@ -69,6 +69,8 @@ class GroupRunner:
         self.wakeup = asyncio.Event()
         self.ready = asyncio.Event()
         self.up = False
+        self.draining = False  # set by /admin/drain, cleared by /admin/resume; survives a recreation
+        self.migrate_asked = False
         self.down_reason = ""
         self.step = 0
         self.flush_asked: dict[int, asyncio.Future] = {}  # flushes not yet in a plan, by rank
@@ -86,7 +88,22 @@ class GroupRunner:
 
     @property
     def serving(self) -> bool:
-        return self.up and self.scheduler is not None
+        """Up and taking new requests (a draining group finishes what it holds but takes nothing new)."""
+        return self.up and self.scheduler is not None and not self.draining
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No request waiting or running, and nothing left to release on the ranks."""
+        return self.scheduler is None or not self.scheduler.has_work()
+
+    async def drain(self, migrate: bool = False) -> None:
+        """Take no new request; return once the group holds nothing: its requests finished or, with
+        `migrate`, were handed to other groups at the next step boundary (as when it goes down)."""
+        self.draining = True
+        self.migrate_asked = self.migrate_asked or migrate
+        self.kick()
+        while not self.holds_nothing:
+            await asyncio.sleep(0.05)
 
     @property
     def load(self) -> int:
@@ -198,6 +215,7 @@ class GroupRunner:
         try:
             while True:
                 if not self.scheduler.has_work() and not self.flush_asked and self.last_reports:
+                    self.migrate_asked = False  # nothing left to move
                     self.wakeup.clear()
                     await self.ranks.idle(self.wakeup)
                 await self._run_step()
@@ -225,6 +243,9 @@ class GroupRunner:
                                             t_end - t_reports, max(r.timings.step_s for r in reports)))
         self.steps_run += 1
         self.step += 1
+        if self.migrate_asked:  # a step boundary: nothing is in flight
+            self.migrate_asked = False
+            self.on_down(self.name, self.scheduler.hand_over(), f"group {self.name} is draining")
 
     def _next_plan(self) -> Plan:
         self.flush_sent, self.flush_asked = self.flush_asked, {}

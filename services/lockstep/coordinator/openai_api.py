@@ -80,6 +80,8 @@ class OpenAIServer:
         app.router.add_get("/version", self.version)
         app.router.add_post("/admin/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/admin/steps", self.steps)
+        app.router.add_post("/admin/drain", self.drain)
+        app.router.add_post("/admin/resume", self.resume)
         return app
 
     @web.middleware
@@ -334,6 +336,34 @@ class OpenAIServer:
         except KeyError as exc:
             raise ApiError(404, f"there is no group {group!r}" if group is not None else "there is no group",
                            "group", "group_not_found", "NotFoundError") from exc
+
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """POST /admin/drain?group=G[&migrate=true]: G takes no new request; 200 once it holds nothing (its
+        requests finished, or with migrate=true moved to other groups at the next step boundary)."""
+        group = _group_query(request)
+        migrate = request.query.get("migrate", "false")
+        if migrate not in ("true", "false"):
+            raise ApiError(400, f"'migrate' must be true or false, got {migrate[:40]!r}", "migrate")
+        try:
+            return web.json_response(await self.frontend.drain(group, migrate == "true"))
+        except KeyError as exc:
+            raise ApiError(404, f"there is no group {group!r}", "group", "group_not_found", "NotFoundError") from exc
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """POST /admin/resume?group=G: G takes new requests again."""
+        group = _group_query(request)
+        try:
+            return web.json_response(self.frontend.resume(group))
+        except KeyError as exc:
+            raise ApiError(404, f"there is no group {group!r}", "group", "group_not_found", "NotFoundError") from exc
+
+
+def _group_query(request: web.Request) -> str:
+    group = request.query.get("group")
+    if not group:
+        raise ApiError(400, "'group' is required (the group's name, as in /health)", "group")
+    return group
 
 
 def _internal_error(request: web.Request, exc: Exception) -> ApiError:

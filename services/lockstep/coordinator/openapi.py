@@ -24,7 +24,9 @@ from lockstep.coordinator.openai_fields import (
 # Paths that need no API key (probes, scrapers, discovery); everything else does when keys are set.
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/version")
 # The query parameters each route takes; any other is a 400 naming it.
-QUERY_PARAMS = {"/admin/reset_prefix_cache": ("rank",), "/admin/steps": ("group", "since")}
+GROUP = {"type": "string", "minLength": 1, "x-required": True}  # a group's name, as /health lists them
+QUERY_PARAMS = {"/admin/reset_prefix_cache": ("rank",), "/admin/steps": ("group", "since"),
+                "/admin/drain": ("group", "migrate"), "/admin/resume": ("group",)}
 QUERY_INT_MAX = 10**18 - 1
 NULL = {"type": "null"}
 BOOL = {"type": "boolean"}
@@ -155,7 +157,8 @@ def _operation(summary: str, ok: dict, errors: tuple[str, ...], body: dict | Non
         op["requestBody"] = {"required": body.get("required") != [], "content": {"application/json": {
             "schema": body}}}
     if query:
-        op["parameters"] = [{"name": n, "in": "query", "required": False, "schema": s} for n, s in query]
+        op["parameters"] = [{"name": n, "in": "query", "required": bool(s.get("x-required")),
+                             "schema": {k: v for k, v in s.items() if k != "x-required"}} for n, s in query]
     return op
 
 
@@ -191,6 +194,13 @@ def _paths(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
         "/admin/steps": {"get": _operation(
             "a group's step timings", _json(ref("Steps"), "one array per step"), ("400", "401", "404"),
             query=(("group", STR), ("since", query_int)))},
+        "/admin/drain": {"post": _operation(
+            "stop routing to a group; answered once it holds nothing", _json({"type": "object"}, "drained"),
+            ("400", "401", "404"),
+            query=(("group", GROUP), ("migrate", {"type": "string", "enum": ["true", "false"]})))},
+        "/admin/resume": {"post": _operation(
+            "route to a drained group again", _json({"type": "object"}, "resumed"), ("400", "401", "404"),
+            query=(("group", GROUP),))},
         "/health": {"get": _operation("200 while some group can serve", _json(
             {"type": "object"}, "every group: up, reason, step"), ("400", "503"), secured=False)},
         "/metrics": {"get": _operation("Prometheus metrics", text, ("400",), secured=False)},

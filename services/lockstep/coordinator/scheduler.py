@@ -150,6 +150,19 @@ class Scheduler:
         self._book = ProbeBook()
         return events
 
+    def hand_over(self) -> list[Request]:
+        """Give every request up to another group, between two plans: the running ones are released on
+        these ranks by the next plan, and all of them (oldest first) are the caller's to adopt elsewhere,
+        where they are recomputed with their generated tokens kept."""
+        for req in reversed(self.running):
+            self._preempt(req, self._releases, counted=False)
+        out = list(self.waiting)
+        self.waiting.clear()
+        for req in out:
+            del self.requests[req.request_id]
+            self._book.forget(req.request_id)
+        return out
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._releases)
 

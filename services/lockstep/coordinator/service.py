@@ -139,6 +139,23 @@ class Coordinator:
             raise ApiError(503, f"the flush did not complete: {exc}", code="group_unavailable",
                            err_type="service_unavailable") from exc
 
+    async def drain(self, group: str, migrate: bool = False) -> dict:
+        """Stop routing new requests to `group` and return once it holds nothing (with `migrate`, its
+        requests move to other groups at the next step boundary). KeyError: no such group."""
+        runner = self.groups[group]
+        started = time.monotonic()
+        await runner.drain(migrate)
+        return {"group": group, "draining": runner.draining, "holds_nothing": runner.holds_nothing,
+                "waited_s": round(time.monotonic() - started, 3)}
+
+    def resume(self, group: str) -> dict:
+        """Route new requests to `group` again. KeyError: no such group."""
+        runner = self.groups[group]
+        runner.draining = False
+        if runner.serving:
+            self._group_up(group)  # requests parked while it drained (and no other group could take them)
+        return {"group": group, "draining": False}
+
     def step_log(self, group: str | None, since: int) -> dict:
         """A group's step timings from entry `since` of its log (None: the first group), for GET /admin/steps:
         where a step's time goes (plan, send, agreement wait, apply, the slowest rank's engine). The log
@@ -212,7 +229,8 @@ class Coordinator:
     def _pick_group(self) -> GroupRunner:
         up = [g for g in self.groups.values() if g.serving]
         if not up:
-            reasons = "; ".join(g.down_reason for g in self.groups.values()) or "no group is up"
+            reasons = "; ".join(f"group {g.name} is draining" if g.draining and g.up else g.down_reason
+                                for g in self.groups.values()) or "no group is up"
             raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
                            err_type="service_unavailable")
         return min(up, key=lambda g: g.load)
