@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,22 +37,41 @@ def test_default_tp_is_the_smallest_size_above_one_the_shapes_allow(tmp_path):
                               vocab_size=384)) == 1
 
 
-def test_serve_runs_a_group_and_stops_all_of_it(tiny_llama, tmp_path):
+@contextlib.contextmanager
+def _serving(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    """`lockstep serve ARGS` logging to tmp_path/serve.log; yields (process, port, log path), then stops it."""
     port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--kv-pages", "64", "--threads", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port), *args],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     try:
+        yield proc, port, log_path
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while http_ok(port) is False:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.3)
+
+
+def test_serve_runs_a_group_and_stops_all_of_it(tiny_llama, tmp_path):
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            if "Lockstep is serving" in (tmp_path / "serve.log").read_text():
-                break
+        while "Lockstep is serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.3)
-        text = (tmp_path / "serve.log").read_text()
+        text = log.read_text()
         assert f"http://127.0.0.1:{port}/v1" in text and "starting 2 rank(s)" in text
         ranks = psutil.Process(proc.pid).children(recursive=True)
         assert len(ranks) == 2
@@ -63,10 +83,6 @@ def test_serve_runs_a_group_and_stops_all_of_it(tiny_llama, tmp_path):
         assert proc.wait(timeout=30) in (0, 130)
         _, alive = psutil.wait_procs(ranks, timeout=15)
         assert not alive, "ranks outlived lockstep serve"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
 
 
 def _sse_tokens(text: str) -> list[int]:
@@ -82,21 +98,11 @@ def test_serve_brings_its_group_back_when_a_rank_dies_and_finishes_every_request
     """Each rank in turn is killed (-9) while a request runs, one of them streaming: `lockstep serve` stops
     the survivors, starts the whole group again, and every request ends with exactly the tokens of an
     undisturbed run; none is dropped."""
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--kv-pages", "64", "--threads", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
     body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and http_ok(port) is False:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.3)
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, port, log)
         status, first = http("POST", url + "/v1/completions", body)
         assert status == 200, first
         undisturbed = first["choices"][0]["token_ids"]
@@ -111,18 +117,11 @@ def test_serve_brings_its_group_back_when_a_rank_dies_and_finishes_every_request
             assert status == 200, got
             tokens = _sse_tokens(got) if stream else got["choices"][0]["token_ids"]
             assert tokens == undisturbed, (victim, stream)
-        text = (tmp_path / "serve.log").read_text()
+        text = log.read_text()
         assert text.count("restarting the group") == 2, text
         status, metrics = http("GET", url + "/metrics")
         assert "lockstep_requests_dropped_total{group=\"g0\"} 0.0" in metrics
         assert proc.poll() is None
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.mark.slow
@@ -130,22 +129,13 @@ def test_a_stopped_rank_is_named_then_declared_dead_and_its_group_recreated(tiny
     """SIGSTOP a rank under load: past the stall threshold the stall gauge reads 1 and the log names the
     rank as not responding; past the dead-rank timeout the group goes down, the survivor's collective times
     out, `lockstep serve` recreates the group, and the request ends with the undisturbed tokens."""
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--kv-pages", "64", "--threads", "1", "--stall-threshold", "1", "--dead-rank-timeout", "6"],
-        stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS": "6"},
-    )
-    url = f"http://127.0.0.1:{port}"
     body = {"prompt": list(range(7, 27)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and http_ok(port) is False:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.3)
+    args = ("--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1", "--stall-threshold", "1",
+            "--dead-rank-timeout", "6")
+    with _serving(tmp_path, *args, env={"LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS": "6"}) as (proc, port, log):
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, port, log)
         undisturbed = http("POST", url + "/v1/completions", body)[1]["choices"][0]["token_ids"]
         ranks = psutil.Process(proc.pid).children(recursive=True)
         t0 = time.monotonic()
@@ -161,16 +151,9 @@ def test_a_stopped_rank_is_named_then_declared_dead_and_its_group_recreated(tiny
             assert stalled == 1.0
             status, got = fut.result(timeout=180)
         assert status == 200 and got["choices"][0]["token_ids"] == undisturbed
-        text = (tmp_path / "serve.log").read_text()
+        text = log.read_text()
         assert "not responding at all: [1]" in text and "restarting the group" in text, text
         print(f"recovered in {time.monotonic() - t0:.1f} s")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def http_ok(port: int) -> bool:
@@ -183,27 +166,16 @@ def http_ok(port: int) -> bool:
 @pytest.mark.slow
 def test_builtin_model_served_says_paris(tmp_path):
     """The main job as a user runs it: `lockstep serve` with no --model, then the README's chat request."""
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with _serving(tmp_path) as (proc, port, log):
         deadline = time.monotonic() + 900
-        while "Lockstep is serving" not in (tmp_path / "serve.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+        while "Lockstep is serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(1)
-        assert "starting 3 rank(s)" in (tmp_path / "serve.log").read_text()
+        assert "starting 3 rank(s)" in log.read_text()
         status, body = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "What is the capital of France?"}],
                              "max_tokens": 24, "temperature": 0}, timeout=300)
         assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def test_rank_kv_pages_takes_a_group_prefix(capsys):
@@ -244,18 +216,11 @@ def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tin
     """`--dp 2 --tp 1`: both groups take requests; g1's rank is killed (-9) while requests run on both:
     only g1 is restarted, g0's rank lives on, every request ends with the undisturbed tokens, and g1
     comes back up."""
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--dp", "2", "--tp", "1", "--kv-pages", "64", "--threads", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
     body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    try:
+    args = ("--model", str(tiny_llama), "--dp", "2", "--tp", "1", "--kv-pages", "64", "--threads", "1")
+    with _serving(tmp_path, *args) as (proc, port, log_path):
+        url = f"http://127.0.0.1:{port}"
         _wait_both_up(proc, port, log_path, 120)
         undisturbed = http("POST", url + "/v1/completions", body)[1]["choices"][0]["token_ids"]
         g1_port = re.search(r"g1: rank ports (\d+)", log_path.read_text()).group(1)
@@ -280,10 +245,3 @@ def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tin
         assert text.count("restarting the group") == 1 and "g1: rank 0 exited" in text, text
         metrics = http("GET", url + "/metrics")[1]
         assert 'lockstep_requests_dropped_total{group="g1"} 0.0' in metrics
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
