@@ -245,3 +245,31 @@ def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tin
         assert text.count("restarting the group") == 1 and "g1: rank 0 exited" in text, text
         metrics = http("GET", url + "/metrics")[1]
         assert 'lockstep_requests_dropped_total{group="g1"} 0.0' in metrics
+
+
+def test_a_group_that_dies_before_it_serves_is_given_up_but_one_that_served_is_always_restarted():
+    """A crash loop (ranks that die before the coordinator ever served their group) ends after a few
+    tries; a group that served and then lost a rank (a kill, a lost node) is started again every time."""
+    import asyncio
+
+    from lockstep.local_ranks import LocalRanks
+
+    dies = [sys.executable, "-c", "import time, sys; time.sleep(0.2); sys.exit(3)"]
+    said: list[str] = []
+    looping = LocalRanks(lambda rendezvous: [dies], os.environ, max_quick_failures=3, pause_s=0.01)
+    looping.start()
+    asyncio.run(asyncio.wait_for(looping.supervise(said.append), 30))
+    assert looping.restarts == 2 and "giving up" in said[-1]
+
+    async def served_every_time() -> None:
+        ranks = LocalRanks(lambda rendezvous: [dies], os.environ, max_quick_failures=3, pause_s=0.01)
+        ranks.start()
+        task = asyncio.ensure_future(ranks.supervise(said.append))
+        while ranks.restarts < 5:
+            ranks.mark_whole()  # the coordinator serves it after every start
+            await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        ranks.stop()
+
+    asyncio.run(served_every_time())

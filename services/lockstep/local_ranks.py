@@ -47,25 +47,31 @@ class LocalRanks:
     others are stopped and the whole group starts again with a fresh rendezvous (a torch.distributed
     group cannot take a new member), at the same ports, so the coordinator finds it where it was.
 
-    `commands(rendezvous)` gives every rank's command line. A group that keeps dying within
-    `quick_s` of its start is given up after `max_quick_failures` tries, with a growing pause between.
+    `commands(rendezvous)` gives every rank's command line. A group that keeps dying before it ever
+    became whole (`mark_whole`, called when the coordinator serves it) is crash-looping, and is given
+    up after `max_quick_failures` such deaths in a row, with a growing pause between; a group that died
+    after serving (a killed rank, a lost node) is always started again at once.
     """
 
     def __init__(self, commands: Callable[[str], list[list[str]]], env: Mapping[str, str],
-                 quick_s: float = 30.0, max_quick_failures: int = 5, name: str = "g0") -> None:
+                 max_quick_failures: int = 5, name: str = "g0", pause_s: float = 0.5) -> None:
         self.name = name
         self.commands = commands
         self.env = dict(env)
-        self.quick_s = quick_s
         self.max_quick_failures = max_quick_failures
+        self.pause_s = pause_s
         self.procs: list[subprocess.Popen] = []
-        self.started_at = 0.0
+        self.whole = False
         self.restarts = 0
 
     def start(self) -> None:
         rendezvous = f"127.0.0.1:{free_port()}"
         self.procs = [subprocess.Popen(cmd, env=self.env, start_new_session=True) for cmd in self.commands(rendezvous)]
-        self.started_at = time.monotonic()
+        self.whole = False
+
+    def mark_whole(self) -> None:
+        """The coordinator serves this group: a death from now on is not a crash loop."""
+        self.whole = True
 
     async def supervise(self, progress: Callable[[str], None]) -> None:
         """Keep the group up; returns only when it cannot be kept up (it died too often, too soon), with
@@ -73,17 +79,17 @@ class LocalRanks:
         quick = 0
         while True:
             rank, code = await self._first_exit()
-            quick = quick + 1 if time.monotonic() - self.started_at < self.quick_s else 0
+            quick = 0 if self.whole else quick + 1
             if quick >= self.max_quick_failures:
-                progress(f"{self.name}: rank {rank} exited with code {code}; the group died {quick} times "
-                         f"within {self.quick_s:.0f} s of starting, giving up")
+                progress(f"{self.name}: rank {rank} exited with code {code}; the group died {quick} times in a "
+                         f"row before it could serve, giving up")
                 await asyncio.to_thread(stop_processes, self.procs)
                 return
             self.restarts += 1
             progress(f"{self.name}: rank {rank} exited with code {code}; restarting the group "
                      f"(restart {self.restarts})")
             await asyncio.to_thread(stop_processes, self.procs)
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** quick))
+            await asyncio.sleep(min(30.0, self.pause_s * 2 ** quick) if quick else 0.0)
             self.start()
 
     async def _first_exit(self) -> tuple[int, int]:

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     supervisors = [ranks for ranks, _ in groups.values()]
     try:
-        return asyncio.run(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say))
+        return asyncio.run(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
+                               on_group_up=lambda name: groups[name][0].mark_whole()))
     except KeyboardInterrupt:
         return 130
     finally:

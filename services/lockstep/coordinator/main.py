@@ -45,9 +45,12 @@ async def run(
     on_ready: Callable[[], None] | None = None,
     supervise: Coroutine[Any, Any, None] | None = None,
     progress: Callable[[str], None] = print,
+    on_group_up: Callable[[str], None] | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     coord = build(config, progress)
+    if on_group_up is not None:
+        coord.group_up_listeners.append(on_group_up)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lockstep.coordinator.config import CoordinatorConfig
@@ -82,6 +83,7 @@ class Coordinator:
         self.groups: dict[str, GroupRunner] = {}
         self.live: dict[str, _Live] = {}
         self._parked: dict[str, tuple[Request, str]] = {}
+        self.group_up_listeners: list[Callable[[str], None]] = []  # e.g. `lockstep serve`'s supervisors
 
     def start(self) -> None:
         """Start every group's loop; each connects on its own, so one group that is down never holds
@@ -212,6 +214,8 @@ class Coordinator:
 
     def _group_up(self, group: str) -> None:
         """A group (re)formed: the requests waiting for one go on there, oldest first."""
+        for listener in self.group_up_listeners:
+            listener(group)
         for rid in [rid for rid in self._parked if rid not in self.live]:
             del self._parked[rid]
         by_reason: dict[str, list[Request]] = {}
