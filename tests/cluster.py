@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from lockstep.local_group import free_port
+from lockstep.local_ranks import rank_command
 
 
 def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 120.0) -> tuple[int, dict | str]:
@@ -88,12 +89,8 @@ class Cluster:
         env = self._env()
         procs = self.group_ranks[group] = []
         for r in range(self.tp):
-            cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(r), "--world-size", str(self.tp),
-                   "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(self.group_ports[group][r]),
-                   "--model", str(self.model_dir), "--page-size", str(self.page_size),
-                   "--kv-pages", str(self.pages[r]), "--threads", "1"]
-            if not self.prefix_caching:
-                cmd.append("--no-prefix-caching")
+            cmd = rank_command(r, self.tp, rendezvous, self.group_ports[group][r], self.model_dir, self.page_size,
+                               self.pages[r], 1, self.prefix_caching)
             procs.append(self._spawn(cmd, env, f"g{group}-rank{r}"))
 
     def _env(self) -> dict[str, str]:

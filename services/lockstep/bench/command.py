@@ -70,17 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _model_limits(model_dir: Path) -> tuple[int, int]:
     """(token ids the prompts may use, positions) from the checkpoint's tokenizer and config."""
+    from lockstep.model.config import ModelConfig
     from lockstep.tokenizer import Tokenizer
 
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{model_dir} is not a checkpoint directory: it has no config.json")
-    config = json.loads(config_file.read_text())
-    positions = config.get("max_position_embeddings")
-    if not isinstance(positions, int):
-        raise ValueError(f"{config_file} has no integer max_position_embeddings")
-    vocab = min(Tokenizer.from_dir(model_dir).vocab_size, int(config.get("vocab_size", 1 << 31)))
-    return vocab, positions
+    try:
+        config = ModelConfig.from_dir(model_dir)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    return min(Tokenizer.from_dir(model_dir).vocab_size, config.vocab_size), config.max_position_embeddings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,8 @@ class GroupRunner:
         self.up = False
         self.draining = False  # set by /admin/drain, cleared by /admin/resume; survives a recreation
         self.migrate_asked = False
-        self.down_reason = ""
+        self.down_reason = ""  # for /health: what took the group down, and what it waits for now
+        self.down_cause = ""  # what took it down last
         self.step = 0
         self.flush_asked: dict[int, asyncio.Future] = {}  # flushes not yet in a plan, by rank
         self.flush_sent: dict[int, asyncio.Future] = {}  # flushes in the plan in flight
@@ -188,8 +189,7 @@ class GroupRunner:
     def _waiting(self, why: str) -> None:
         """/health says why the group is not serving now, and what took it down last."""
         if not self.up:
-            went_down = self.down_reason.split("; now: ")[0] if self.down_reason else ""
-            self.down_reason = f"{went_down}; now: {why}" if went_down else why
+            self.down_reason = f"{self.down_cause}; now: {why}" if self.down_cause else why
 
     def _come_up(self, infos: list[RankInfo]) -> None:
         self.step = max(i.last_step for i in infos) + 1
@@ -280,7 +280,7 @@ class GroupRunner:
         """Stop the group: the dead ranks read 0 in `lockstep_rank_up` (all of them when unknown)."""
         log.error("%s; its requests go back to the coordinator", reason)
         self.up = False
-        self.down_reason = reason
+        self.down_reason = self.down_cause = reason
         for rank in range(len(self.ranks)) if ranks is None else ranks:
             self.metrics.rank_up.labels(self.name, str(rank)).set(0)
         if ranks:

@@ -6,7 +6,8 @@ coordinators in one process and `/metrics` shows only this coordinator's series.
 
 from __future__ import annotations
 
-import copy
+from collections import Counter as Tally
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -145,7 +146,8 @@ class Metrics:
             self.prefix_offered.labels(group, str(rank)).inc(now - before)
         for reason, n in stats.deferred.items():
             self.admission_deferred.labels(group, reason).inc(n - last.deferred[reason])
-        self._exported[group] = copy.deepcopy(stats)
+        self._exported[group] = replace(stats, deferred=Tally(stats.deferred),
+                                        prefix_offered_pages=list(stats.prefix_offered_pages))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
