@@ -123,3 +123,79 @@ def random_prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+# Tiny random Gemma 3 text checkpoints (fp32, hidden 64, vocab 384), made like the kinds above:
+# - "gemma3_hybrid": transformers 5's config.json (rope_parameters keyed by layer kind, layer_types),
+#   sliding window 8 on three layers of four, one KV head (replicated at TP 2), head_dim 32 != 64 / 4,
+#   query_pre_attn_scalar 24, a RoPE base per kind with linear scaling on full layers, tied embeddings.
+# - "gemma3_legacy": the older config.json (rope_theta, rope_local_base_freq, rope_scaling,
+#   sliding_window_pattern 3, no layer_types), two KV heads, q/k/v/o biases, untied LM head and
+#   final_logit_softcapping 5 (transformers reads this config through its backward-compatible path).
+GEMMA3_KINDS = ("gemma3_hybrid", "gemma3_legacy")
+
+
+def _gemma3_config(kind: str, bos: int, eos: int):
+    from transformers import Gemma3TextConfig
+
+    common = dict(hidden_size=HIDDEN, intermediate_size=128, vocab_size=VOCAB, num_attention_heads=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=bos, eos_token_id=eos,
+                  pad_token_id=None, sliding_window=8)
+    if kind == "gemma3_hybrid":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+        kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        return Gemma3TextConfig(num_hidden_layers=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                                rope_parameters=rope, layer_types=kinds, tie_word_embeddings=True, **common)
+    if kind == "gemma3_legacy":
+        return Gemma3TextConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                attention_bias=True, tie_word_embeddings=False, final_logit_softcapping=5.0,
+                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                    "rope_theta": 500.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)
+    raise ValueError(f"unknown Gemma 3 checkpoint kind {kind!r}; kinds: {', '.join(GEMMA3_KINDS)}")
+
+
+def _legacy_gemma3_json(path: Path) -> None:
+    """Rewrite config.json in the pre-transformers-5 style that hub checkpoints still carry."""
+    cfg_file = path / "config.json"
+    d = json.loads(cfg_file.read_text())
+    rope = d.pop("rope_parameters")
+    d.pop("layer_types")
+    d.pop("_sliding_window_pattern", None)
+    full = rope["full_attention"]
+    d.update(rope_theta=full["rope_theta"], rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+             rope_scaling={"rope_type": full["rope_type"], "factor": full["factor"]}, sliding_window_pattern=3)
+    cfg_file.write_text(json.dumps(d, indent=2))
+
+
+def make_gemma3_checkpoint(kind: str, path: Path) -> Path:
+    """Write Gemma 3 checkpoint `kind` into `path` and return it. Norm weights are offsets from 1 in Gemma, so
+    they are drawn around 0, far enough from it that a norm that drops its weight or its 1 is seen."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    done = path / ".complete"
+    if done.is_file() and done.read_text() == kind:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    bos, eos = _tokenizer(path)
+    gen = torch.Generator().manual_seed(100 + GEMMA3_KINDS.index(kind))
+    model = AutoModelForCausalLM.from_config(_gemma3_config(kind, bos, eos), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    if kind == "gemma3_legacy":
+        _legacy_gemma3_json(path)
+    done.write_text(kind)
+    return path

@@ -54,14 +54,18 @@ class SimRank:
     num_pages: int
     page_size: int
     caching: bool = True
+    window: int = 0  # with a window, a `sliding` pool of sliding_pages pages too (a hybrid model)
+    sliding_pages: int = 0
     cache: RankCache = field(init=False)
-    slots: list[int | None] = field(init=False)
+    slots: dict[str, list[int | None]] = field(init=False)
 
     def __post_init__(self) -> None:
-        pool = PagePool("default", self.num_pages)
-        self.cache = RankCache(pool, self.page_size, SALT, max_model_len=1 << 30, prefix_caching=self.caching,
-                               rank=self.rank)
-        self.slots = [None] * (self.num_pages * self.page_size)
+        pools = {"full": PagePool("full", self.num_pages)}
+        if self.window:
+            pools["sliding"] = PagePool("sliding", self.sliding_pages)
+        self.cache = RankCache(pools, self.page_size, SALT, max_model_len=1 << 30, prefix_caching=self.caching,
+                               rank=self.rank, window=self.window)
+        self.slots = {name: [None] * (p.num_pages * self.page_size) for name, p in pools.items()}
 
     @property
     def pool(self) -> PagePool:
@@ -82,6 +86,10 @@ class SimRank:
         sampled: list[Sampled] = []
         if refused:
             self.cache.undo_admits()
+        elif plan.pool_split:  # the model's k/v tensors follow the pools, keeping the pages below the cut
+            for name, total in plan.pool_split:
+                slots = self.slots[name][: total * self.page_size]
+                self.slots[name] = slots + [None] * (total * self.page_size - len(slots))
         else:
             sampled = [s for c in plan.batch if (s := self._forward(c)) is not None]
             for chunk in plan.batch:
@@ -91,13 +99,23 @@ class SimRank:
         return Report(plan.step, self.rank, tuple(sampled), probes, pools, refused)
 
     def _forward(self, chunk: Chunk) -> Sampled | None:
-        table, ps = self.cache.table(chunk.request_id), self.page_size
+        """Writes the chunk in every pool; samples from the full pool's slots before the window and the
+        sliding pool's within it, so a wrong page in either pool draws a wrong token."""
+        ps = self.page_size
+        tables = {name: self.cache.table(chunk.request_id, name) for name in self.slots}
         end = chunk.start + len(chunk.token_ids)
-        for pos, token in zip(range(chunk.start, end), chunk.token_ids, strict=True):
-            self.slots[table[pos // ps] * ps + pos % ps] = token
+        for name, table in tables.items():
+            for pos, token in zip(range(chunk.start, end), chunk.token_ids, strict=True):
+                self.slots[name][table[pos // ps] * ps + pos % ps] = token
         if not chunk.sample:
             return None
-        context = [self.slots[table[pos // ps] * ps + pos % ps] for pos in range(end)]
+        seen = end - self.window if self.window else end
+
+        def read(pos: int) -> int | None:
+            name = "full" if pos < seen else "sliding"
+            return self.slots[name][tables[name][pos // ps] * ps + pos % ps]
+
+        context = [read(pos) for pos in range(end)]
         return Sampled(chunk.request_id, fake_sample(chunk.sampling.seed, chunk.sample_index, context))
 
     def warm(self, tokens: list[int]) -> None:
@@ -110,17 +128,23 @@ class SimRank:
             self.finish(plan, "")
 
     def assert_idle(self) -> None:
-        s = self.pool.stats()
-        assert self.pool.owners() == [], f"rank {self.rank} still holds {self.pool.owners()}"
-        assert s.pinned == 0 and s.used == 0 and s.free + s.evictable == s.total, s
+        for pool in self.cache.pools.values():
+            s = pool.stats()
+            assert pool.owners() == [], f"rank {self.rank} still holds {pool.owners()} in {pool.name}"
+            assert s.pinned == 0 and s.used == 0 and s.free + s.evictable == s.total, s
 
 
 class Group:
     """A scheduler and its simulated ranks, stepped together; checks every plan as it goes."""
 
-    def __init__(self, sched: Scheduler, pools: list[int], caching: bool = True) -> None:
+    def __init__(
+        self, sched: Scheduler, pools: list[int], caching: bool = True, sliding: list[int] | None = None
+    ) -> None:
+        """pools[r]: rank r's full pool; with the scheduler's window, sliding[r] its sliding pool."""
         self.sched = sched
-        self.ranks = [SimRank(r, n, sched.page_size, caching) for r, n in enumerate(pools)]
+        sliding = sliding or [0] * len(pools)
+        self.ranks = [SimRank(r, n, sched.page_size, caching, sched.window, s)
+                      for r, (n, s) in enumerate(zip(pools, sliding, strict=True))]
         self.reports: list[Report] = []
         self.step = 0
         self.plans: list[Plan] = []

@@ -20,7 +20,7 @@ PS = 4
 
 
 def rep(rank: int, total: int, free: int, evictable: int = 0, step: int = 0) -> Report:
-    pool = PoolState("default", total, free, evictable, total - free - evictable)
+    pool = PoolState("full", total, free, evictable, total - free - evictable)
     return Report(step=step, rank=rank, pools=(pool,))
 
 
@@ -105,7 +105,7 @@ def test_grow_cuts_a_prefill_chunk_to_the_pages_every_rank_has():
     assert c.grow(num_computed=6, num_tokens=40) == 10  # it holds pages 0-1; 2 more reach position 15
     assert c.headroom == [3, 0]
     assert c.grow(num_computed=16, num_tokens=3) == 0
-    assert c.shortfall(16, 3) == 1
+    assert c.shortfall(16, 3) == {"full": 1}
     assert c.grow(num_computed=17, num_tokens=3) == 3  # inside a page it holds: no new page
 
 
@@ -169,4 +169,6 @@ def test_fits_and_bad_inputs():
 
 
 def test_largest_request_is_bounded_by_the_smallest_pool():
-    assert control(rep(0, 50, 1), rep(1, 9, 9)).largest_request_pages() == 9
+    c = control(rep(0, 50, 1), rep(1, 9, 9))
+    assert c.too_large(9 * PS) == ""
+    assert "needs up to 10 KV pages of pool 'full' but the smallest rank pool holds 9" in c.too_large(9 * PS + 1)

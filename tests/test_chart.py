@@ -36,6 +36,9 @@ VALUES = {
                                "tensorParallelSize": 4, "groups": 2,
                                "coordinator": {"httpPort": 9000, "grpcPort": 9001}}}},
     "no-deployment": {"deployment": {"enabled": False}},
+    "rebalance": {"deployment": {"spec": {"kvCache": {"pageSize": 32, "rebalance": {
+        "enabled": False, "intervalSteps": 25, "cooldownSeconds": 30.5, "minSamples": 0, "threshold": 1.5}}}}},
+    "coordinator-api-key": {"operator": {"coordinatorApiKeySecret": {"name": "lockstep-api", "key": "key"}}},
 }
 
 
@@ -131,6 +134,17 @@ def test_non_default_values_reach_the_resource() -> None:
     assert "LockstepDeployment" not in kinds(render(VALUES["no-deployment"]))
 
 
+def test_rebalance_values_reach_the_resource_as_given() -> None:
+    """The chart passes `deployment.spec.kvCache` through untouched: a false or a zero must survive the merge
+    with the chart's own fields, and what is left out comes from the CRD's defaults."""
+    (cr,) = kinds(render(VALUES["rebalance"]))["LockstepDeployment"]
+    assert cr["spec"]["kvCache"] == VALUES["rebalance"]["deployment"]["spec"]["kvCache"]
+    values = {"deployment": {"spec": {"kvCache": {"rebalance": {"threshold": 2.0}}}}}
+    (cr,) = kinds(render(values))["LockstepDeployment"]
+    assert normalize(cr["spec"])["kvCache"]["rebalance"] == {
+        "enabled": True, "intervalSteps": 10, "cooldownSeconds": 120, "minSamples": 2000, "threshold": 2.0}
+
+
 def test_monitoring_objects() -> None:
     k = kinds(render(VALUES["monitoring-on"]))
     (sm,) = k["ServiceMonitor"]
@@ -155,6 +169,17 @@ def test_rbac_is_least_privilege() -> None:
     # The group token Secrets are created, never read: no get, list, watch, patch or delete of secrets.
     assert {v for _, r, v in grants if r == "secrets"} == {"create"}
     assert not any(r == "pods" and v in ("create", "patch") for _, r, v in grants)
+
+
+def test_operator_gets_the_coordinators_api_key_for_drains_without_reading_secrets() -> None:
+    """The operator calls /admin/drain and /admin/resume with the coordinators' key: the kubelet puts it in
+    its environment from the Secret named in the values, so its RBAC still reads no Secret."""
+    def operator_env(values: dict) -> list[dict]:
+        (dep,) = [d for d in kinds(render(values))["Deployment"] if d["metadata"]["name"].endswith("operator")]
+        return dep["spec"]["template"]["spec"]["containers"][0].get("env", [])
+    assert operator_env({}) == []
+    assert operator_env(VALUES["coordinator-api-key"]) == [{"name": "LOCKSTEP_OPERATOR_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "lockstep-api", "key": "key"}}}]
 
 
 def test_chart_copies_equal_the_monitoring_sources() -> None:

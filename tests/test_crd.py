@@ -84,6 +84,13 @@ GOOD_SPECS = [
      "coordinator": {"serviceType": "LoadBalancer"},
      "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
      "nodeSelector": {"gpu": "h100"}, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+    {"rollout": {"drainTimeoutSeconds": 0}},
+    {"rollout": {"drainTimeoutSeconds": 3600}},
+    {"kvCache": {"rebalance": {}}},
+    {"kvCache": {"rebalance": {"enabled": False, "intervalSteps": 1, "cooldownSeconds": 0, "minSamples": 0,
+                               "threshold": 1.0}}},
+    {"kvCache": {"rebalance": {"intervalSteps": 50, "cooldownSeconds": 30.5, "minSamples": 100000,
+                               "threshold": 2}}},
 ]
 
 BAD_SPECS = [
@@ -100,6 +107,19 @@ BAD_SPECS = [
     ({"tensorParalelSize": 2}, "tensorParalelSize"),
     ({"model": {"pvc": {"path": "x"}}}, "claimName"),
     ({"resources": {"limits": {"nvidia.com/gpu": True}}}, "nvidia.com/gpu"),
+    ({"rollout": {"drainTimeoutSeconds": -1}}, "drainTimeoutSeconds"),
+    ({"rollout": {"drainTimeoutSeconds": 1.5}}, "drainTimeoutSeconds"),
+    ({"rollout": {"drainTimeoutSeconds": "2m"}}, "drainTimeoutSeconds"),
+    ({"rollout": {"drainTimeout": 5}}, "drainTimeout"),
+    ({"kvCache": {"rebalance": {"intervalSteps": 0}}}, "rebalance.intervalSteps"),
+    ({"kvCache": {"rebalance": {"intervalSteps": 2.5}}}, "rebalance.intervalSteps"),
+    ({"kvCache": {"rebalance": {"cooldownSeconds": -1}}}, "rebalance.cooldownSeconds"),
+    ({"kvCache": {"rebalance": {"cooldownSeconds": "2m"}}}, "rebalance.cooldownSeconds"),
+    ({"kvCache": {"rebalance": {"minSamples": -1}}}, "rebalance.minSamples"),
+    ({"kvCache": {"rebalance": {"threshold": 0.9}}}, "rebalance.threshold"),
+    ({"kvCache": {"rebalance": {"enabled": "yes"}}}, "rebalance.enabled"),
+    ({"kvCache": {"rebalance": {"interval": 5}}}, "interval"),
+    ({"kvCache": {"rebalance": False}}, "rebalance"),
 ]
 
 
@@ -124,10 +144,13 @@ def test_defaults_match_the_command_line_contract() -> None:
     assert full["model"] == {"builtin": True}
     assert full["tensorParallelSize"] == 1 and full["groups"] == 1
     assert full["resources"] == {"limits": {"nvidia.com/gpu": 1}}
-    assert full["kvCache"] == {"pageSize": 16, "memoryFraction": 0.9, "pages": 0, "prefixCaching": True}
+    assert full["kvCache"] == {"pageSize": 16, "memoryFraction": 0.9, "pages": 0, "prefixCaching": True,
+                               "rebalance": {"enabled": True, "intervalSteps": 10, "cooldownSeconds": 120,
+                                             "minSamples": 2000, "threshold": 1.25}}
     assert full["scheduler"] == {"maxNumBatchedTokens": 512, "maxNumSeqs": 64}
     assert full["agreement"] == {"stallThresholdSeconds": 5, "deadRankTimeoutSeconds": 30, "replayTimeoutSeconds": 300}
     assert full["coordinator"]["httpPort"] == 8000 and full["coordinator"]["grpcPort"] == 8001
+    assert full["rollout"] == {"drainTimeoutSeconds": 120}
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -156,3 +179,49 @@ def test_strict_schema_does_not_mutate_the_crd() -> None:
     before = copy.deepcopy(crd)
     strict_schema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
     assert crd == before
+
+
+@pytest.mark.parametrize(("rebalance", "schema_says", "operator_says"), [
+    ({"intervalSteps": 0}, "0 is less than the minimum of 1",
+     "spec.kvCache.rebalance.intervalSteps: must be at least 1, got 0"),
+    ({"threshold": 0.9}, "0.9 is less than the minimum of 1.0",
+     "spec.kvCache.rebalance.threshold: must be at least 1.0, got 0.9"),
+    ({"cooldownSeconds": -1}, "-1 is less than the minimum of 0",
+     "spec.kvCache.rebalance.cooldownSeconds: must be at least 0, got -1"),
+    ({"minSamples": -5}, "-5 is less than the minimum of 0",
+     "spec.kvCache.rebalance.minSamples: must be at least 0, got -5"),
+])
+def test_rebalance_ranges_are_refused_with_the_field_and_the_bound(rebalance: dict, schema_says: str,
+                                                                   operator_says: str) -> None:
+    """The API server (the CRD's minimum) and the operator both name the field, the bound and the value."""
+    (field,) = rebalance
+    errors = list(schema_validator().iter_errors(defaulted({"kvCache": {"rebalance": rebalance}})))
+    assert [(list(e.absolute_path), e.message) for e in errors] == [
+        (["spec", "kvCache", "rebalance", field], schema_says)]
+    with pytest.raises(SpecError) as exc:
+        normalize({"kvCache": {"rebalance": rebalance}})
+    assert str(exc.value) == operator_says
+
+
+def test_rebalance_is_defaulted_by_the_api_server_inside_a_partial_kv_cache() -> None:
+    """A CR that sets other kvCache fields, or some rebalance fields, gets the rest from the CRD's defaults."""
+    kv = defaulted({"kvCache": {"pageSize": 32, "rebalance": {"threshold": 2.0}}})["spec"]["kvCache"]
+    assert kv["rebalance"] == {"enabled": True, "intervalSteps": 10, "cooldownSeconds": 120, "minSamples": 2000,
+                               "threshold": 2.0}
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rebalance = schema["properties"]["spec"]["properties"]["kvCache"]["properties"]["rebalance"]
+    assert rebalance["default"] == {} and all(s.get("description") for s in rebalance["properties"].values())
+
+
+@pytest.mark.parametrize("field", ["memoryFraction", "rebalance.threshold", "rebalance.cooldownSeconds"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_numbers_are_refused(field: str, value: float) -> None:
+    """NaN passes every range check (each comparison is false), so the operator refuses it by name."""
+    kv: dict = {}
+    *parents, leaf = field.split(".")
+    node = kv
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    node[leaf] = value
+    with pytest.raises(SpecError, match=rf"spec\.kvCache\.{field.replace('.', '[.]')}: must be a finite number"):
+        normalize({"kvCache": kv})

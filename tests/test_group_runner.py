@@ -13,7 +13,7 @@ from lockstep.steps import Plan, RankInfo, Report
 class PlanOnly:
     """A scheduler that plans empty steps: enough for the runner's own bookkeeping."""
 
-    def plan(self, step: int, reports: list[Report], flush: bool = False) -> Plan:
+    def plan(self, step: int, reports: list[Report], flush: bool = False, now: float = 0.0) -> Plan:
         return Plan(step=step)
 
     def cannot_hold(self, request: Request) -> str:

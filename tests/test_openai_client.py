@@ -83,6 +83,74 @@ def test_async_completion_chat_and_stream(served):
     assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
 
 
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]  # vLLM's return_token_ids: a field the client keeps as an extra
+
+
+def test_n_choices_each_with_its_own_seed_stream(served):
+    """n=3 with a seed: choice 0 is the n=1 answer of that seed, the others draw differently; usage counts the
+    prompt once; a stream carries every choice by its index; greedy choices are all the same."""
+    client = _client(served)
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": TOKENS, "temperature": 1.0, "seed": 5,
+            "extra_body": {"ignore_eos": True}}
+    one = client.completions.create(**args)
+    many = client.completions.create(**args, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == one.choices[0].text  # choice i draws with seed + i
+    assert len({c.text for c in many.choices}) > 1
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens and many.usage.completion_tokens == 3 * TOKENS
+    chunks = list(client.completions.create(**args, n=2, stream=True, stream_options={"include_usage": True}))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == \
+            many.choices[i].text
+    assert chunks[-1].usage.completion_tokens == 2 * TOKENS
+    greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                            max_tokens=TOKENS, temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=17)
+    assert bad.value.param == "n"
+    served.assert_no_leak()
+
+
+def test_chat_content_parts(served):
+    """Text parts (guidellm's and many SDKs' default) are joined by newlines; an image part is a 400 naming it."""
+    client = _client(served)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi\nthere"}],
+                                           max_tokens=TOKENS, temperature=0)
+    parts = client.chat.completions.create(model=MODEL, max_tokens=TOKENS, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert bad.value.param == "messages" and "image_url" in bad.value.message
+
+
+def test_stop_token_ids_and_echo(served):
+    """A stop token ends the answer (finish_reason stop), its id in token_ids and not its text, unless
+    include_stop_str_in_output; echo puts the prompt before the text."""
+    client = _client(served)
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0}
+    full = client.completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = _ids(full.choices[0])
+    k = ids.index(ids[2])
+    extra = {"ignore_eos": True, "return_token_ids": True, "stop_token_ids": [ids[2]]}
+    cut = client.completions.create(**args, extra_body=extra)
+    kept = client.completions.create(**args, extra_body={**extra, "include_stop_str_in_output": True})
+    for done in (cut, kept):
+        assert done.choices[0].finish_reason == "stop" and _ids(done.choices[0]) == ids[:k + 1]
+        assert done.usage.completion_tokens == k + 1
+    stop_text = client.post(served.url + "/detokenize", body={"tokens": [ids[2]]}, cast_to=object)["prompt"]
+    assert kept.choices[0].text == cut.choices[0].text + stop_text and full.choices[0].text.startswith(
+        kept.choices[0].text)
+    echoed = client.completions.create(**args, echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "Hello" + full.choices[0].text
+    served.assert_no_leak()
+
+
 def test_errors_are_the_clients_exception_types(served):
     client = _client(served)
     with pytest.raises(openai.BadRequestError) as bad:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from typing import Any
@@ -208,14 +209,17 @@ def test_status(groups: tuple[GroupState, ...], restarted: tuple[str, ...], phas
     status = decide_status(observed(*groups), SPEC2, 7, NOW, restarted)
     assert status["phase"] == phase and status["readyGroups"] == ready and status["replicas"] == 2
     assert status["observedGeneration"] == 7
-    assert {c["type"]: c["reason"] for c in status["conditions"]} == conditions
-    assert [c["status"] == "True" for c in status["conditions"]] == [k == phase for k in conditions]
+    phase_conditions, coordinator_conditions = status["conditions"][:3], status["conditions"][3:]
+    assert {c["type"]: c["reason"] for c in phase_conditions} == conditions
+    assert [c["status"] == "True" for c in phase_conditions] == [k == phase for k in conditions]
+    assert [(c["type"], c["status"], c["reason"]) for c in coordinator_conditions] == [
+        ("Draining", "False", "NoDrain"), ("AgreementStalled", "Unknown", "MetricsUnavailable")]
     assert status["endpoint"] == "http://demo.ml.svc.cluster.local:8000"
     assert status["selector"] == m.rank_selector_string("demo")
     for g, entry in zip(groups, status["groups"], strict=True):
         assert entry == {"name": g.name, "ready": ready_ranks(g) == 2, "readyRanks": ready_ranks(g),
                          "restarts": g.restarts + (g.name in restarted),
-                         "pendingRecreate": g.pending_recreate is not None}
+                         "pendingRecreate": g.pending_recreate is not None, "draining": False}
 
 
 def test_status_keeps_transition_times_and_counts_ranks_against_the_spec() -> None:
@@ -226,7 +230,8 @@ def test_status_keeps_transition_times_and_counts_ranks_against_the_spec() -> No
                                                                         "tensorParallelSize": 2}), None, NOW)
     assert status["groups"][0]["readyRanks"] == 1 and not status["groups"][0]["ready"]
     times = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
-    assert times == {"Ready": EARLIER, "Progressing": NOW, "Degraded": EARLIER}
+    assert times == {"Ready": EARLIER, "Progressing": NOW, "Degraded": EARLIER, "Draining": NOW,
+                     "AgreementStalled": NOW}
     assert "observedGeneration" not in status
 
 
@@ -356,10 +361,12 @@ class MemoryKube(Kube):
 
 
 def test_timer_recreates_every_waiting_group_and_counts_each(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two groups whose recreates waited, both free now: both are recreated and both counted."""
+    """Two groups whose recreates waited, both free now: both are recreated and both counted (no drain
+    here: test_operator_drain.py covers the drain before a recreate)."""
     cr = {"apiVersion": "lockstep.dev/v1alpha1", "kind": "LockstepDeployment",
           "metadata": {"name": "demo", "namespace": "ml", "uid": "u", "generation": 5},
-          "spec": {"model": {"path": "/m"}, "tensorParallelSize": 2, "groups": 2},
+          "spec": {"model": {"path": "/m"}, "tensorParallelSize": 2, "groups": 2,
+                   "rollout": {"drainTimeoutSeconds": 0}},
           "status": {"groups": [{"name": "demo-g0", "restarts": 1}, {"name": "demo-g1", "restarts": 0}]}}
     objects = [cr, sts(0, SPEC2), sts(1, SPEC2)]
     objects += [k8s_pod(f"demo-g{i}", r, objects[1 + i]["spec"]["template"]) for i in range(2) for r in range(2)]
@@ -369,7 +376,8 @@ def test_timer_recreates_every_waiting_group_and_counts_each(monkeypatch: pytest
     events: list[str] = []
     monkeypatch.setattr(kopf, "event", lambda *_, **kw: events.append(kw["reason"]))
 
-    handlers.refresh(body=kopf.Body(cr), name="demo", namespace="ml", memo=kopf.Memo(lockstep=memory))
+    monkeypatch.setenv("LOCKSTEP_OPERATOR_COORDINATOR_URL", "http://127.0.0.1:9")  # nothing listens: no metrics
+    asyncio.run(handlers.refresh(body=kopf.Body(cr), name="demo", namespace="ml", memo=kopf.Memo(lockstep=memory)))
 
     assert not kube.list("Pod", "ml", m.selector("demo", "rank")), "every pod of both groups deleted"
     assert memory.deleted_by_us == {f"u-demo-g{i}-{r}" for i in range(2) for r in range(2)}

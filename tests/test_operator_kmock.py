@@ -15,6 +15,12 @@ import kubernetes
 import pytest
 
 os.environ.setdefault("LOCKSTEP_OPERATOR_RETRY_SECONDS", "0.5")
+os.environ.setdefault("LOCKSTEP_OPERATOR_DRAIN_POLL_SECONDS", "0.2")
+os.environ.setdefault("LOCKSTEP_OPERATOR_DRAIN_WAIT_SECONDS", "0.5")
+os.environ.setdefault("LOCKSTEP_OPERATOR_RESUME_POLL_SECONDS", "0.5")
+os.environ.setdefault("LOCKSTEP_OPERATOR_DRAIN_RECHECK_SECONDS", "0.2")
+# No coordinator runs here: drains find nothing listening and go on (test_operator_drain.py runs one).
+os.environ.setdefault("LOCKSTEP_OPERATOR_COORDINATOR_URL", "http://127.0.0.1:9")
 
 from lockstep_operator import handlers  # noqa: E402, F401 - importing registers the handlers
 from lockstep_operator import manifests as m  # noqa: E402
@@ -134,7 +140,8 @@ def test_create_builds_groups_coordinator_owned_and_status() -> None:
         assert status["phase"] == "Progressing" and status["readyGroups"] == 0
         assert [g["name"] for g in status["groups"]] == ["demo-g0", "demo-g1"]
         assert status["endpoint"] == "http://demo.ml.svc.cluster.local:8000"
-        assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+        assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded", "Draining",
+                                                              "AgreementStalled"}
         assert status["observedGeneration"] == 1
     run(scenario)
 

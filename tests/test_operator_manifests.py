@@ -25,7 +25,12 @@ SPECS = {
                  "resources": {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}},
                  "kvCache": {"pages": 512, "prefixCaching": False},
                  "agreement": {"stallThresholdSeconds": 2, "deadRankTimeoutSeconds": 12}},
+    "rebalance": {"tensorParallelSize": 3, "groups": 2,
+                  "kvCache": {"rebalance": {"enabled": False, "intervalSteps": 25, "cooldownSeconds": 30.5,
+                                            "minSamples": 0, "threshold": 1.5}}},
 }
+REBALANCE_VARIABLES = ("LOCKSTEP_REBALANCE_ENABLED", "LOCKSTEP_REBALANCE_INTERVAL_STEPS", "LOCKSTEP_REBALANCE_COOLDOWN",
+                       "LOCKSTEP_REBALANCE_MIN_SAMPLES", "LOCKSTEP_REBALANCE_THRESHOLD")
 
 
 def build(key: str, name: str = "demo", namespace: str = "ml") -> tuple[dict, list[dict]]:
@@ -157,6 +162,37 @@ def test_kv_and_agreement_settings_reach_the_commands() -> None:
     assert coord_env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "12"
     assert coord_env["LOCKSTEP_REPLAY_TIMEOUT_SECONDS"] == "300"
     assert coord_env["LOCKSTEP_PREFIX_CACHING"] == "0"
+
+
+def _rebalance_env(container: dict) -> dict[str, str]:
+    env = env_of(container)
+    return {k: env[k] for k in env if k.startswith("LOCKSTEP_REBALANCE")}
+
+
+@pytest.mark.parametrize(("key", "expected"), [
+    ("default", ("1", "10", "120", "2000", "1.25")),
+    ("rebalance", ("0", "25", "30.5", "0", "1.5")),
+])
+def test_rebalance_settings_reach_the_coordinator_only(key: str, expected: tuple[str, ...]) -> None:
+    """The coordinator decides every rebalance; the ranks carry out the split its plan names and read none."""
+    _, objs = build(key)
+    (coordinator,) = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]["containers"]
+    assert _rebalance_env(coordinator) == dict(zip(REBALANCE_VARIABLES, expected, strict=True))
+    for o in objs:
+        if o["kind"] == "StatefulSet":
+            (rank,) = o["spec"]["template"]["spec"]["containers"]
+            assert _rebalance_env(rank) == {}, f"{o['metadata']['name']}'s ranks must not get rebalance settings"
+
+
+def test_changing_rebalance_settings_restarts_the_coordinator_but_rolls_no_group() -> None:
+    """A rank pod template that does not change keeps its hash, so the operator rolls no group for it."""
+    default, changed = normalize(SPECS["tp3x2"]), normalize(SPECS["rebalance"])
+    h = lambda t: t["metadata"]["annotations"][m.ANNOTATION_HASH]
+    for i in range(2):
+        assert m.rank_pod_template("demo", "ml", default, i) == m.rank_pod_template("demo", "ml", changed, i)
+        assert h(m.rank_pod_template("demo", "ml", default, i)) == h(m.rank_pod_template("demo", "ml", changed, i))
+    template = lambda spec: m.coordinator_deployment("demo", "ml", spec)["spec"]["template"]
+    assert template(default) != template(changed)
 
 
 def test_template_hash_tracks_the_pod_spec() -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lockstep.coordinator.request import Request
 from lockstep.coordinator.scheduler import TOKEN
-from lockstep.kv.paging import pages_for
+from lockstep.kv.paging import pages_for, peak_pages
 from lockstep.steps import SamplingParams
 from sim_ranks import VOCAB, Group, make_sched, reference
 
@@ -29,12 +29,19 @@ class Workload:
     flushes: dict[int, int] = field(default_factory=dict)  # step -> rank
     aborts: dict[int, int] = field(default_factory=dict)  # step -> request index
     refusals: set[int] = field(default_factory=set)  # steps rank 0 refuses
+    window: int = 0  # a hybrid model: sliding[r] pages of a `sliding` pool of this window on rank r too
+    sliding: list[int] | None = None
+
+    def too_large(self, req: Request) -> bool:
+        if pages_for(req.max_positions, 4) > min(self.pools):
+            return True
+        return bool(self.window) and peak_pages(self.window, 4, req.max_positions) > min(self.sliding)
 
 
 def drive(w: Workload) -> Group:
     """Run a workload to the end and check everything a client and an operator would check."""
-    sched = make_sched(ranks=len(w.pools), budget=w.budget, seqs=w.seqs, caching=w.caching)
-    g = Group(sched, w.pools, caching=w.caching)
+    sched = make_sched(ranks=len(w.pools), budget=w.budget, seqs=w.seqs, caching=w.caching, window=w.window)
+    g = Group(sched, w.pools, caching=w.caching, sliding=w.sliding)
     reqs = [
         Request(f"r{i}", PREFIXES[pre][:plen] + own, SamplingParams(), max_tokens, [3] if stop else ())
         for i, (_, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals)
@@ -61,10 +68,10 @@ def drive(w: Workload) -> Group:
         assert tokens == req.generated
         if req.request_id in aborted:
             assert req.finish_reason == "abort"
-        elif pages_for(req.max_positions, 4) > min(w.pools):
+        elif w.too_large(req):
             assert req.finish_reason == "error" and "smallest rank pool" in req.error
         elif req.finish_reason == "error":
-            assert "injected" in req.error, req.error
+            assert "injected" in req.error and "asked to pin" not in req.error, req.error
             refused_admits += 1
         else:
             ref = reference(req)
@@ -137,3 +144,40 @@ def test_pressure_workload_preempts_and_still_finishes_everything():
     assert sched.stats.prefix_hit_tokens > 0
 
 
+
+
+@st.composite
+def hybrid_workloads(draw) -> Workload:
+    """A hybrid model's workloads: a window of 5..12 tokens over pages of 4, and a sliding pool per rank that
+    is sometimes too small for the window (those requests must fail with a reason, never hang)."""
+    w = draw(workloads())
+    ranks = len(w.pools)
+    w.window = draw(st.integers(5, 12))
+    w.sliding = draw(st.lists(st.integers(3, 14), min_size=ranks, max_size=ranks))
+    return w
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_workloads())
+def test_random_hybrid_runs_agree_on_servable_prefixes_and_finish_every_request(w: Workload):
+    drive(w)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_long_hybrid_run_of_divergent_ranks_reuses_windows(seed: int):
+    rng = random.Random(seed)
+    arrivals = [
+        (rng.randrange(600), rng.randrange(4), rng.randrange(17),
+         [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], rng.randint(1, 24), rng.random() < 0.3)
+        for _ in range(160)
+    ]
+    w = Workload(
+        pools=[40, 30, 48], budget=10, seqs=6, caching=True, arrivals=arrivals,
+        flushes={s: rng.randrange(3) for s in range(25, 700, 45)},
+        aborts={rng.randrange(700): rng.randrange(160) for _ in range(6)},
+        refusals={rng.randrange(700) for _ in range(3)},
+        window=8, sliding=[14, 10, 18],
+    )
+    g = drive(w)
+    assert g.sched.stats.preemptions > 0 and g.sched.stats.prefix_hit_tokens > 0
+    assert any(len(a.prefix_keys) for p in g.plans for a in p.admits)

@@ -70,7 +70,9 @@ reports = st.builds(
     rank=st.integers(0, 1024),
     sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64)), max_size=4).map(tuple),
     probes=st.lists(
-        st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts), max_size=4
+        st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts,
+                  sliding_runs=st.lists(st.tuples(counts, counts), max_size=3).map(tuple),
+                  sliding_pinned=counts), max_size=4
     ).map(tuple),
     pools=st.lists(
         st.builds(PoolState, pool=st.text(), total=counts, free=counts, evictable=counts, used=counts, pinned=counts),
@@ -96,6 +98,12 @@ def test_plan_round_trip_is_lossless(plan):
 def test_report_round_trip_is_lossless(report):
     wire = pb.ReportMsg.FromString(report_to_proto(report).SerializeToString())
     assert report_from_proto(wire) == report
+
+
+def test_a_probe_answer_with_an_odd_run_list_is_a_wire_error():
+    msg = pb.ReportMsg(step=1, rank=0, probes=[pb.ProbeAnswerMsg(request_id="r", sliding_runs=[1, 2, 3])])
+    with pytest.raises(WireError, match="not pairs"):
+        report_from_proto(msg)
 
 
 def test_seed_none_and_seed_zero_stay_apart():

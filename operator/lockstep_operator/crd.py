@@ -101,8 +101,32 @@ def _model_schema() -> Schema:
     return model
 
 
+def _rebalance_schema() -> Schema:
+    """When the coordinator moves a hybrid model's KV split between its pools (DESIGN.md "Rebalance agreement").
+
+    Read by the coordinator only (it decides; the ranks carry out the split its plan names), so changing
+    it restarts the coordinator and never rolls a group. Ranges are the coordinator's own flags' ranges.
+    """
+    return _obj(
+        {
+            "enabled": {"type": "boolean", "default": True,
+                        "description": "Move the split between the full and sliding KV pools as the workload "
+                                       "changes; false keeps the split the ranks started with."},
+            "intervalSteps": _int(1, None, 10, "Check at every plan step that is a multiple of this (>= 1)."),
+            "cooldownSeconds": _num(0, None, 120, description=(
+                "Seconds after a rebalance before the next one, on the coordinator's clock (>= 0).")),
+            "minSamples": _int(0, None, 2000, "Finished requests sampled since the last rebalance before the "
+                                              "next one (>= 0)."),
+            "threshold": _num(1.0, None, 1.25, description=(
+                "Rebalance only when a pool is off its target size by more than this ratio (>= 1.0).")),
+        },
+        default={},
+        description="Rebalance of a hybrid model's KV pools; the coordinator's --rebalance-* flags.",
+    )
+
+
 def _runtime_schemas() -> dict[str, Schema]:
-    """How the services run: KV cache, scheduler, agreement timeouts, coordinator."""
+    """How the services run: KV cache, scheduler, agreement timeouts, rollout, coordinator."""
     return {
         "kvCache": _obj(
             {
@@ -111,6 +135,7 @@ def _runtime_schemas() -> dict[str, Schema]:
                                        description="Share of free device memory for KV pages."),
                 "pages": _int(0, None, 0, "KV pages per pool; 0 uses memoryFraction."),
                 "prefixCaching": {"type": "boolean", "default": True},
+                "rebalance": _rebalance_schema(),
             },
             default={},
         ),
@@ -130,6 +155,15 @@ def _runtime_schemas() -> dict[str, Schema]:
                 "replayTimeoutSeconds": _num(0, None, 300, description=(
                     "How long the requests of a group that went down wait for a group to take them when "
                     "no other is up (0: they fail at once with a retriable 503).")),
+            },
+            default={},
+        ),
+        "rollout": _obj(
+            {
+                "drainTimeoutSeconds": _int(0, None, 120, (
+                    "Before a group is rolled, recreated or removed, the coordinator drains it (no new request, "
+                    "its running ones finish or move to another group) for at most this long, then the operator "
+                    "goes on anyway. 0: no drain.")),
             },
             default={},
         ),
@@ -182,7 +216,7 @@ def spec_schema() -> Schema:
 
 def status_schema() -> Schema:
     condition = _obj({
-        "type": _str(enum=["Ready", "Progressing", "Degraded"]),
+        "type": _str(enum=["Ready", "Progressing", "Degraded", "Draining", "AgreementStalled"]),
         "status": _str(enum=["True", "False", "Unknown"]),
         "reason": _str(),
         "message": _str(),
@@ -195,6 +229,8 @@ def status_schema() -> Schema:
         "readyRanks": {"type": "integer"},
         "restarts": {"type": "integer"},
         "pendingRecreate": {"type": "boolean"},
+        "draining": {"type": "boolean", "description": "The coordinator is draining it before a roll, "
+                                                       "recreate or removal."},
     }, required=["name"])
     return _obj({
         "phase": _str(enum=["Pending", "Progressing", "Ready", "Degraded"]),

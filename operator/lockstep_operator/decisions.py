@@ -8,10 +8,11 @@ is tested on states written by hand.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep_operator import manifests as m
+from lockstep_operator.drain import Drain, draining_condition, stalled_condition
 from lockstep_operator.observe import GroupState, Observed, PodState, Transition
 
 
@@ -119,10 +120,11 @@ _REASONS = {  # condition -> (reason when True, reason when False)
 }
 
 
-def condition(kind: str, value: bool, reason: str, message: str, previous: Mapping[str, Transition],
+def condition(kind: str, value: bool | str, reason: str, message: str, previous: Mapping[str, Transition],
               generation: int | None, now: str) -> dict[str, Any]:
-    """One condition; its lastTransitionTime stays as it was while its value does not change."""
-    status = "True" if value else "False"
+    """One condition (value True, False or the string "Unknown"); its lastTransitionTime stays as it was
+    while its value does not change."""
+    status = value if isinstance(value, str) else ("True" if value else "False")
     before = previous.get(kind)
     since = before.since if before is not None and before.status == status else None
     out: dict[str, Any] = {"type": kind, "status": status, "reason": reason, "message": message,
@@ -132,23 +134,40 @@ def condition(kind: str, value: bool, reason: str, message: str, previous: Mappi
     return out
 
 
-def group_status(group: GroupState, tensor_parallel_size: int, restarted: bool) -> dict[str, Any]:
+def group_status(group: GroupState, tensor_parallel_size: int, restarted: bool,
+                 draining: bool = False) -> dict[str, Any]:
     """One entry of status.groups: ready only when all its ranks are; `restarted` counts one recreation."""
     ranks = ready_ranks(group) if group.exists else 0
     return {"name": group.name, "ready": ranks == tensor_parallel_size, "readyRanks": ranks,
             "restarts": group.restarts + (1 if restarted else 0),
-            "pendingRecreate": group.pending_recreate is not None}
+            "pendingRecreate": group.pending_recreate is not None, "draining": draining}
+
+
+@dataclass(frozen=True)
+class CoordinatorView:
+    """What the operator knows of the coordinator's side: its drains and its stalled agreement waits."""
+
+    drains: Mapping[str, Drain] = field(default_factory=dict)  # group name -> the drain asked
+    last_drain: tuple[str, str] | None = None  # (reason, message) of the last drain that ended
+    stalled: Mapping[str, float] | None = None  # lockstep_agreements_stalled per group; None: unknown
 
 
 def decide_status(observed: Observed, spec: Mapping[str, Any], generation: int | None, now: str,
-                  restarted: Collection[str] = ()) -> dict[str, Any]:
+                  restarted: Collection[str] = (), coordinator: CoordinatorView | None = None) -> dict[str, Any]:
     """The resource's status: phase, groups, conditions; `restarted` names the groups just recreated."""
-    groups = [group_status(g, spec["tensorParallelSize"], g.name in restarted) for g in observed.groups]
+    view = coordinator or CoordinatorView()
+    draining = {g for g, d in view.drains.items() if not d.resolved}
+    groups = [group_status(g, spec["tensorParallelSize"], g.name in restarted, g.name in draining)
+              for g in observed.groups]
     ready = sum(g["ready"] for g in groups)
     phase, message = decide_phase(ready, spec["groups"], any(g["pendingRecreate"] for g in groups))
     conditions = [condition(kind, phase == kind, reasons[0] if phase == kind else reasons[1], message,
                             observed.conditions, generation, now)
                   for kind, reasons in _REASONS.items()]
+    conditions.append(condition("Draining", *draining_condition(view.drains, view.last_drain),
+                                observed.conditions, generation, now))
+    conditions.append(condition("AgreementStalled", *stalled_condition(view.stalled), observed.conditions,
+                                generation, now))
     status: dict[str, Any] = {
         "phase": phase,
         "replicas": spec["groups"],

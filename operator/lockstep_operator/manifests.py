@@ -125,6 +125,22 @@ def _common_env(spec: dict[str, Any], model_path: str) -> dict[str, str]:
     return env | _token_mount()[0]
 
 
+def rebalance_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The coordinator's --rebalance-* settings from `kvCache.rebalance`.
+
+    The coordinator alone decides a rebalance (the ranks carry out the split its plan names), so only its
+    container gets these: on a rank they would be dead settings that roll every group when changed.
+    """
+    rebalance = spec["kvCache"]["rebalance"]
+    return {
+        "LOCKSTEP_REBALANCE_ENABLED": "1" if rebalance["enabled"] else "0",
+        "LOCKSTEP_REBALANCE_INTERVAL_STEPS": str(rebalance["intervalSteps"]),
+        "LOCKSTEP_REBALANCE_COOLDOWN": str(rebalance["cooldownSeconds"]),
+        "LOCKSTEP_REBALANCE_MIN_SAMPLES": str(rebalance["minSamples"]),
+        "LOCKSTEP_REBALANCE_THRESHOLD": str(rebalance["threshold"]),
+    }
+
+
 def _token_volume(name: str) -> Manifest:
     return {"name": GROUP_TOKEN_VOLUME, "secret": {"secretName": group_token_secret_name(name),
                                                     "items": [{"key": GROUP_TOKEN_KEY, "path": GROUP_TOKEN_KEY}]}}
@@ -274,7 +290,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "LOCKSTEP_STALL_THRESHOLD_SECONDS": str(spec["agreement"]["stallThresholdSeconds"]),
         "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS": str(spec["agreement"]["deadRankTimeoutSeconds"]),
         "LOCKSTEP_REPLAY_TIMEOUT_SECONDS": str(spec["agreement"]["replayTimeoutSeconds"]),
-    }
+    } | rebalance_env(spec)
     if spec["model"].get("servedModelName"):
         pairs["LOCKSTEP_SERVED_MODEL_NAME"] = spec["model"]["servedModelName"]
     container = {

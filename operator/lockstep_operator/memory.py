@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from lockstep_operator.drain import Drain
 from lockstep_operator.kube import Kube
 from lockstep_operator.observe import GroupKey
 
@@ -29,6 +30,16 @@ class OperatorMemory:
     deleted_by_us: set[str] = field(default_factory=set)
     # Groups to recreate once none of their pods is Pending: (namespace, deployment, group) -> reason.
     pending_recreates: dict[GroupKey, str] = field(default_factory=dict)
+    # Drains asked of the coordinator before a roll, recreate or removal (see `drain.py`).
+    drains: dict[GroupKey, Drain] = field(default_factory=dict)
+    # Groups drained and then rolled or recreated: resumed at the coordinator once they serve again.
+    resumes: dict[GroupKey, str] = field(default_factory=dict)  # -> the coordinator's group name
+    # When to look again whether drained groups serve (to resume them), per deployment: clock seconds.
+    next_resume_check: dict[tuple[str, str], float] = field(default_factory=dict)
+    # The outcome of the last drain of each deployment (reason, message), for the Draining condition.
+    drain_outcomes: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    # lockstep_agreements_stalled per coordinator group (None: /metrics unreadable), per deployment.
+    stalled: dict[tuple[str, str], dict[str, float] | None] = field(default_factory=dict)
     _locks: dict[tuple[str, str], threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -42,6 +53,38 @@ class OperatorMemory:
         return {g: reason for (ns, n, g), reason in self.pending_recreates.items() if (ns, n) == (namespace, name)}
 
     def forget(self, namespace: str, name: str, group: str | None = None) -> None:
-        """Drop the waiting recreates of one group (or of every group of the deployment)."""
+        """Drop the waiting recreates of one group (or everything remembered of the deployment)."""
         for key in [k for k in self.pending_recreates if k[:2] == (namespace, name) and group in (None, k[2])]:
             self.pending_recreates.pop(key, None)
+        if group is None:
+            for book in (self.drains, self.resumes):
+                for key in [k for k in book if k[:2] == (namespace, name)]:
+                    book.pop(key, None)
+            for book in (self.drain_outcomes, self.stalled, self.next_resume_check):
+                book.pop((namespace, name), None)
+
+    def drains_for(self, namespace: str, name: str) -> dict[str, Drain]:
+        """The drains asked for one deployment: group name -> record (a copy)."""
+        with self._guard:
+            return {g: d for (ns, n, g), d in self.drains.items() if (ns, n) == (namespace, name)}
+
+    def resumes_for(self, namespace: str, name: str) -> dict[str, str]:
+        """The groups of one deployment to resume once they serve: group name -> coordinator group (a copy)."""
+        with self._guard:
+            return {g: c for (ns, n, g), c in self.resumes.items() if (ns, n) == (namespace, name)}
+
+    def update_drain(self, key: GroupKey, before: Drain, after: Drain) -> bool:
+        """Store what a drain request came back with, unless the record changed (or went) meanwhile."""
+        with self._guard:
+            if self.drains.get(key) is not before:
+                return False
+            self.drains[key] = after
+            return True
+
+    def end_drain(self, key: GroupKey, resume: bool) -> None:
+        """The group was rolled, recreated or removed (or needs no drain any more); resume it at the
+        coordinator once it serves again if a drain was asked."""
+        with self._guard:
+            record = self.drains.pop(key, None)
+            if resume and record is not None:
+                self.resumes[key] = record.group

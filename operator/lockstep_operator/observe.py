@@ -71,6 +71,7 @@ class Observed:
     name: str
     groups: tuple[GroupState, ...]
     strays: tuple[str, ...] = ()  # StatefulSets of this deployment that are no group of the spec
+    stray_index: Mapping[str, int] = field(default_factory=dict)  # a stray's group-index label, where it has one
     conditions: Mapping[str, Transition] = field(default_factory=dict)
 
     def group(self, name: str) -> GroupState | None:
@@ -136,7 +137,9 @@ def group_states(name: str, namespace: str, spec: Mapping[str, Any], statefulset
             pods=group_pods, restarts=restarts.get(g, 0), pending_recreate=pending_recreates.get(g)))
     conditions = {c["type"]: Transition(c.get("status", "Unknown"), c.get("lastTransitionTime"))
                   for c in status.get("conditions", []) if "type" in c}
+    labelled = {sts["metadata"]["name"]: group_index(sts) for sts in statefulsets}
     return Observed(namespace=namespace, name=name, groups=tuple(groups), strays=tuple(strays),
+                    stray_index={s: i for s in strays if (i := labelled.get(s)) is not None},
                     conditions=conditions)
 
 

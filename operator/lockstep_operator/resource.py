@@ -8,6 +8,7 @@ an API server, must still fail with a clear message instead of producing broken 
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -54,11 +55,23 @@ def _check(schema: Schema, value: Any, path: str) -> None:
             _check(schema["items"], item, f"{path}[{i}]")
 
 
+def _finite(value: float) -> bool:
+    """JSON has no NaN or Infinity, but a spec built in Python or read from YAML (.nan, .inf) can: NaN passes
+    every range check (each comparison is false) and the services refuse it, as they do an integer too big
+    to be a float (the env value is parsed as one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_value(schema: Schema, value: Any, path: str) -> None:
     """Type, enum, range and length of one value."""
     kind = schema.get("type")
     if kind and (not isinstance(value, _TYPES[kind]) or (kind != "boolean" and isinstance(value, bool))):
         raise SpecError(f"{path}: must be of type {kind}, got {value!r}")
+    if kind == "number" and not _finite(value):
+        raise SpecError(f"{path}: must be a finite number, got {value!r}")
     if "enum" in schema and value not in schema["enum"]:
         raise SpecError(f"{path}: must be one of {schema['enum']}, got {value!r}")
     if "minimum" in schema:

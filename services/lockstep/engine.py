@@ -27,6 +27,7 @@ from lockstep.device import pick_device
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
+from lockstep.kv.paging import POOL_SLIDING
 from lockstep.kv.rank_cache import RankCache, StepRefused
 from lockstep.model.attention import AttentionBatch
 from lockstep.model.config import ModelConfig
@@ -39,7 +40,6 @@ from lockstep.steps import Chunk, GroupBroken, Plan, RankInfo, Report, Sampled, 
 
 log = logging.getLogger("lockstep.engine")
 
-POOL = "full"  # pools are named after the attention kind whose KV they hold (DESIGN.md)
 DEFAULT_CPU_KV_BUDGET = 1 << 30
 
 
@@ -63,33 +63,40 @@ class Engine:
         self.config = config
         self.model_id = model_id
         self.device = kv.k[0].device
+        elem = kv.k[0].element_size()
+        self.page_bytes = {name: 2 * config.layers_of(name) * kv.page_size * kv.kv_heads * kv.head_dim * elem
+                           for name in cache.pools}
 
     @classmethod
     def create(cls, cfg: EngineConfig) -> Engine:
         """Load the model shard of this rank, join its group and size the KV pool to the memory left."""
         model_dir = cfg.model
-        if model_dir == "builtin":
-            from lockstep.model.builtin import ensure_builtin_model
+        if model_dir.startswith("builtin"):
+            from lockstep.model.builtin import resolve_model
 
-            model_dir = ensure_builtin_model()
+            model_dir = resolve_model(model_dir)
         dtype = getattr(torch, cfg.dtype)
         device = pick_device(cfg.rank)
         comm = single_comm() if cfg.world_size == 1 else init_comm(
             cfg.rank, cfg.world_size, cfg.rendezvous, device, collective_timeout_s=cfg.collective_timeout_s)
         model = load_model(model_dir, comm, device, dtype)
         config = model.config
-        kv_pages = cfg.kv_pages
-        if kv_pages <= 0:
+        if cfg.kv_pages > 0:
+            pages = dict.fromkeys(config.pool_names, cfg.kv_pages)
+        else:
             budget = cfg.kv_budget_bytes or _default_kv_budget(device, cfg.world_size, cfg.kv_memory_fraction)
-            kv_pages = KVCache.pages_for_budget(config, cfg.world_size, cfg.page_size, budget, dtype)
-        if kv_pages < 1:
-            raise ValueError(f"the KV budget gives {kv_pages} pages of {cfg.page_size} tokens; give more memory")
-        kv = KVCache.create(config, cfg.world_size, kv_pages, cfg.page_size, dtype, device)
+            pages = KVCache.split_budget(config, cfg.world_size, cfg.page_size, budget, dtype)
+        if min(pages.values()) < 1:
+            raise ValueError(f"the KV budget gives {pages} pages of {cfg.page_size} tokens; give more memory")
+        kv = KVCache.create(config, cfg.world_size, pages, cfg.page_size, dtype, device)
         model_id = Path(model_dir).name
+        window = config.sliding_window if POOL_SLIDING in pages else 0
         cache = RankCache(
-            PagePool(POOL, kv_pages), cfg.page_size, key_salt(model_id, cfg.page_size),
-            config.max_position_embeddings, cfg.prefix_caching, cfg.rank,
+            {name: PagePool(name, n) for name, n in pages.items()}, cfg.page_size,
+            key_salt(model_id, cfg.page_size), config.max_position_embeddings, cfg.prefix_caching, cfg.rank,
+            window=window or 0,
         )
+        log.info("rank %d: KV pools %s pages of %d tokens", cfg.rank, pages, cfg.page_size)
         return cls(model, kv, cache, comm, config, model_id)
 
     def info(self) -> RankInfo:
@@ -102,6 +109,8 @@ class Engine:
             pools=self.cache.totals(),
             max_model_len=self.config.max_position_embeddings,
             vocab_size=self.config.vocab_size,
+            sliding_window=self.cache.window,
+            page_bytes=tuple(self.page_bytes.items()),
         )
 
     def step(self, plan: Plan) -> Report:
@@ -115,6 +124,9 @@ class Engine:
         if self._group_refuses(plan.step, error):
             self.cache.undo_admits()
             error = error or "another rank of the group refused this step"
+        elif plan.pool_split:
+            self.kv.resize(self.config, dict(plan.pool_split))
+            log.info("rank %d: KV pools rebalanced at step %d to %s", self.comm.rank, plan.step, dict(plan.pool_split))
         sampled: tuple[Sampled, ...] = ()
         forward_s = 0.0
         if not error and plan.batch:
@@ -150,9 +162,13 @@ class Engine:
             return (), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[Sampled, ...]:
-        spans = [(c.start, len(c.token_ids), self.cache.table(c.request_id)) for c in batch]
         ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long, device=self.device)
-        attn = AttentionBatch.build(spans, self.cache.page_size, self.device)
+        attn = {
+            name: AttentionBatch.build(
+                [(c.start, len(c.token_ids), self.cache.table(c.request_id, name)) for c in batch],
+                self.cache.page_size, self.device, self.cache.window if name == POOL_SLIDING else None)
+            for name in self.cache.pools
+        }
         with torch.inference_mode():
             logits = self.model(ids, attn, self.kv)
         rows = [i for i, c in enumerate(batch) if c.sample]

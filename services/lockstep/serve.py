@@ -15,9 +15,10 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from lockstep.coordinator.auth import parse_api_keys
-from lockstep.coordinator.config import API_KEY_HELP, SCHEDULING, CoordinatorConfig
+from lockstep.coordinator.config import API_KEY_HELP, REBALANCE, SCHEDULING, CoordinatorConfig
 from lockstep.local_group import free_port
 from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
 from lockstep.model.config import ModelConfig
@@ -46,9 +47,9 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
                    help="testing knob: give one rank a different KV pool size (GROUP: 0..dp-1, default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / (TP x DP))")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, (DP, *SCHEDULING))
+    add_settings(p, (DP, *SCHEDULING, *REBALANCE))
     args = p.parse_args(argv)
-    for name, value in resolve(p, args, (DP, *SCHEDULING), os.environ if env is None else env).items():
+    for name, value in resolve(p, args, (DP, *SCHEDULING, *REBALANCE), os.environ if env is None else env).items():
         setattr(args, name, value)
     try:
         args.rank_pages = _rank_pages(args.rank_kv_pages, args.dp)
@@ -56,6 +57,12 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def coordinator_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The coordinator's own settings as `lockstep serve` read them, so that every flag `lockstep coordinator`
+    takes (scheduling, rebalance) means the same here and none is dropped on the way."""
+    return {s.dest: getattr(args, s.dest) for s in SCHEDULING + REBALANCE}
 
 
 def _rank_pages(items: list[str], dp: int = 1) -> dict[tuple[int, int], int]:
@@ -74,12 +81,12 @@ def _rank_pages(items: list[str], dp: int = 1) -> dict[tuple[int, int], int]:
 
 
 def _model_dir(model: str | None, say) -> Path | None:
-    if model is None:
-        from lockstep.model.builtin import BuiltinModelUnavailable, ensure_builtin_model
+    if model is None or model.startswith("builtin"):
+        from lockstep.model.builtin import BuiltinModelUnavailable, resolve_model
 
         try:
-            return ensure_builtin_model(progress=say)
-        except BuiltinModelUnavailable as exc:
+            return resolve_model(model or "builtin", progress=say)
+        except (BuiltinModelUnavailable, ValueError) as exc:
             say(str(exc))
             return None
     if not (Path(model) / "config.json").is_file():
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(rank_auth=RankClientAuth(token=token),
         groups={name: tuple(f"127.0.0.1:{p}" for p in ports) for name, (_, ports) in groups.items()},
         model=str(model_dir), host=args.host, http_port=args.port, grpc_port=args.port + 1,
-        api_keys=args.api_keys, **{s.dest: getattr(args, s.dest) for s in SCHEDULING},
+        api_keys=args.api_keys, **coordinator_settings(args),
     )
     from lockstep.coordinator.main import run
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("lockstep.steps")
 
@@ -75,13 +75,39 @@ class Plan:
     flush_prefix_cache: bool = False
     release_all: bool = False
     abstain: bool = False  # refuse this step and nothing else: catching up a rank left one step behind
+    pool_split: tuple[tuple[str, int], ...] = ()  # a rebalance: every pool's new total; the plan holds no work
 
 
 @dataclass(frozen=True)
 class ProbeAnswer:
+    """What one rank holds of a probed chain, by page identity.
+
+    `matched_pages`: leading pages of the chain the `full` pool holds, `pinned_pages` of them referenced by
+    live requests. With a `sliding` pool, `sliding_runs` are the runs [a, b) of chain pages that pool holds
+    (any, not only leading ones: a window's pages outlive the pages before them) and `sliding_pinned` how
+    many of those are referenced. The coordinator needs the identities, since the lengths a rank can
+    serve are then not downward closed (docs/architecture.md).
+    """
+
     request_id: str
     matched_pages: int
     pinned_pages: int
+    sliding_runs: tuple[tuple[int, int], ...] = ()
+    sliding_pinned: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sliding_runs", tuple((int(a), int(b)) for a, b in self.sliding_runs))
+
+    def sliding_holds(self, first: int, end: int) -> bool:
+        """Whether the sliding pool holds every chain page in [first, end)."""
+        if first >= end:
+            return True
+        return any(a <= first and end <= b for a, b in self.sliding_runs)
+
+    @property
+    def sliding_held(self) -> int:
+        """How many chain pages the sliding pool holds."""
+        return sum(b - a for a, b in self.sliding_runs)
 
 
 @dataclass(frozen=True)
@@ -94,6 +120,8 @@ class PoolState:
     evictable: int
     used: int
     pinned: int = 0
+    # pages the pool could give up now: its top pages that no live request holds (derived: not compared)
+    movable: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -138,6 +166,8 @@ class RankInfo:
     """What a rank serves, as the coordinator checks it before it drives a group (the Info call).
 
     `pools` is (pool name, total pages) per pool, kept sorted by name (a mapping may be given);
+    `sliding_window` is the window of the `sliding` pool's layers, which the coordinator needs to know
+    which pages serve a prefix;
     `last_step` is the last step the rank carried out, -1 before its first or where the teller (the
     engine, which does not count steps) does not know it: the rank service fills it in.
     """
@@ -150,9 +180,12 @@ class RankInfo:
     max_model_len: int
     vocab_size: int
     last_step: int = -1
+    sliding_window: int = 0  # tokens a `sliding` pool's layers see; 0 when the rank has no such pool
+    page_bytes: tuple[tuple[str, int], ...] = ()  # bytes one page of each pool takes: what a rebalance trades
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(sorted(dict(self.pools).items())))
+        object.__setattr__(self, "page_bytes", tuple(sorted(dict(self.page_bytes).items())))
 
     @property
     def pool_totals(self) -> dict[str, int]:

@@ -89,6 +89,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
             flush_prefix_cache=plan.flush_prefix_cache,
             release_all=plan.release_all,
             abstain=plan.abstain,
+            pool_split=dict(plan.pool_split),
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
@@ -144,6 +145,7 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
         flush_prefix_cache=msg.flush_prefix_cache,
         release_all=msg.release_all,
         abstain=msg.abstain,
+        pool_split=tuple(sorted(msg.pool_split.items())),
     )
     _check_plan(plan)
     return plan
@@ -161,11 +163,13 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
             msg.sampled.add(request_id=s.request_id, token_id=s.token_id)
         for p in report.probes:
             msg.probes.add(
-                request_id=p.request_id, matched_pages=p.matched_pages, pinned_pages=p.pinned_pages
+                request_id=p.request_id, matched_pages=p.matched_pages, pinned_pages=p.pinned_pages,
+                sliding_runs=[x for run in p.sliding_runs for x in run], sliding_pinned=p.sliding_pinned,
             )
         for p in report.pools:
             msg.pools.add(
-                pool=p.pool, total=p.total, free=p.free, evictable=p.evictable, used=p.used, pinned=p.pinned
+                pool=p.pool, total=p.total, free=p.free, evictable=p.evictable, used=p.used, pinned=p.pinned,
+                movable=p.movable,
             )
         for name, key in TIMING_NAMES.items():
             seconds = getattr(report.timings, name)
@@ -185,11 +189,19 @@ def report_from_proto(msg: pb.ReportMsg) -> Report:
         step=msg.step,
         rank=msg.rank,
         sampled=tuple(Sampled(s.request_id, s.token_id) for s in msg.sampled),
-        probes=tuple(ProbeAnswer(p.request_id, p.matched_pages, p.pinned_pages) for p in msg.probes),
-        pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned) for p in msg.pools),
+        probes=tuple(_probe_answer(p) for p in msg.probes),
+        pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned, p.movable) for p in msg.pools),
         error=msg.error,
         timings=Timings(**{name: msg.timings.get(key, 0.0) for name, key in TIMING_NAMES.items()}),
     )
+
+
+def _probe_answer(msg: pb.ProbeAnswerMsg) -> ProbeAnswer:
+    runs = list(msg.sliding_runs)
+    if len(runs) % 2:
+        raise WireError(f"probe answer for {msg.request_id}: sliding_runs holds {len(runs)} numbers, not pairs")
+    return ProbeAnswer(msg.request_id, msg.matched_pages, msg.pinned_pages,
+                       tuple(zip(runs[::2], runs[1::2], strict=True)), msg.sliding_pinned)
 
 
 def info_to_proto(info: RankInfo) -> pb.RankInfo:
@@ -204,6 +216,8 @@ def info_to_proto(info: RankInfo) -> pb.RankInfo:
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             last_step=info.last_step,
+            sliding_window=info.sliding_window,
+            pool_page_bytes=dict(info.page_bytes),
         )
     except (TypeError, ValueError) as e:
         raise WireError(f"rank info does not fit RankInfo: {e}") from e
@@ -220,4 +234,6 @@ def info_from_proto(msg: pb.RankInfo) -> RankInfo:
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size,
         last_step=msg.last_step,
+        sliding_window=msg.sliding_window,
+        page_bytes=tuple(msg.pool_page_bytes.items()),
     )

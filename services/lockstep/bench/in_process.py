@@ -22,7 +22,8 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
                     prefix_caching=cfg.prefix_caching, timeout_s=cfg.startup_timeout_s) as group:
         info = group.infos[0]
         scheduler = Scheduler(cfg.page_size, key_salt(info.model_id, cfg.page_size), cfg.max_num_batched_tokens,
-                              cfg.max_num_seqs, cfg.tp, cfg.prefix_caching, info.max_model_len)
+                              cfg.max_num_seqs, cfg.tp, cfg.prefix_caching, info.max_model_len,
+                              window=info.sliding_window)
         state = {"step": 0, "reports": []}
 
         def drive(on_finish) -> None:

@@ -9,11 +9,11 @@ are charged twice; pages a release frees are credited only when the next report 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lockstep.kv.paging import growth_pages, pages_for
-from lockstep.steps import ProbeAnswer, Report
+from lockstep.kv.paging import first_page, growth_pages, held_pages, pages_for, peak_pages, pool_window
+from lockstep.steps import PoolState, ProbeAnswer, Report
 
 DEFERRAL_REASONS = ("pages", "max_num_seqs", "token_budget", "probe_pending")
 
@@ -25,18 +25,11 @@ def allocatable_pages(report: Report) -> int:
     return min(p.free + p.evictable for p in report.pools)
 
 
-def capacity_pages(report: Report) -> int:
-    """The most pages one request can ever hold on this rank."""
-    if not report.pools:
-        raise ValueError(f"report of rank {report.rank} for step {report.step} has no pool states")
-    return min(p.total for p in report.pools)
-
-
 def pin_takeout(answer: ProbeAnswer | None, agreed: int) -> int:
     """Cached pages that pinning the first `agreed` pages takes out of this rank's evictable set.
 
-    The rank said `pinned` of its `matched` leading pages are referenced by live requests; at worst those
-    are the ones past `agreed`, so only pinned - (matched - agreed) of ours are surely out already.
+    The rank said `pinned` of its `matched` pages are referenced by live requests; at worst those are the
+    ones it would not pin, so only pinned - (matched - agreed) of ours are surely out already.
     """
     if agreed <= 0:
         return 0
@@ -71,8 +64,11 @@ class Decision:
 class AdmissionControl:
     """The page, sequence and token budget of one step, from the last report of every rank.
 
-    `reports[r]` must be rank r's. Running requests take their growth first (`grow`), then waiting
-    requests are considered in order (`consider`); everything taken stays taken for the step.
+    `reports[r]` must be rank r's. Every pool is counted on every rank on its own (a hybrid model's
+    `full` and `sliding` pools run out at different times); a step's chunk grows a request by the same
+    pages in each pool, since a sliding pool drops the pages its window left only after the step.
+    Running requests take their growth first (`grow`), then waiting requests are considered in order
+    (`consider`); everything taken stays taken for the step.
     """
 
     def __init__(
@@ -82,30 +78,53 @@ class AdmissionControl:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_running: int,
+        window: int = 0,
     ) -> None:
         if not reports:
             raise ValueError("admission control needs the last report of every rank")
         for r, report in enumerate(reports):
             if report.rank != r:
                 raise ValueError(f"reports must be in rank order: position {r} holds rank {report.rank}")
+            allocatable_pages(report)
+        names = sorted(p.pool for p in reports[0].pools)
+        for report in reports:
+            if sorted(p.pool for p in report.pools) != names:
+                raise ValueError(f"rank {report.rank} reports pools {sorted(p.pool for p in report.pools)}, "
+                                 f"rank 0 reports {names}: the ranks of a group serve the same pools")
         self.page_size = page_size
-        self.headroom = [allocatable_pages(r) for r in reports]
-        self.capacity = [capacity_pages(r) for r in reports]
+        self.windows = {name: pool_window(name, window) for name in names}
+        self.room = {name: [_pool(r, name).free + _pool(r, name).evictable for r in reports] for name in names}
+        self.capacity = {name: [_pool(r, name).total for r in reports] for name in names}
         self.seqs_left = max_num_seqs - num_running
         self.tokens_left = max_num_batched_tokens
 
     @property
     def ranks(self) -> int:
-        return len(self.headroom)
+        return len(next(iter(self.room.values())))
 
-    def largest_request_pages(self) -> int:
-        """Pages a request may need in all: the smallest pool's size (it must fit alone on every rank)."""
-        return min(self.capacity)
+    @property
+    def headroom(self) -> list[int]:
+        """Pages each rank can still give in its tightest pool."""
+        return [min(room[r] for room in self.room.values()) for r in range(self.ranks)]
 
-    def take(self, pages: Sequence[int], num_tokens: int = 0, seqs: int = 0) -> None:
-        if not fits(pages, self.headroom):
-            raise ValueError(f"taking {list(pages)} pages overdraws headroom {self.headroom}")
-        self.headroom = [h - p for h, p in zip(self.headroom, pages, strict=True)]
+    def too_large(self, max_positions: int) -> str:
+        """Why a request of up to max_positions positions can never run here ("" when it can): the most
+        it holds at once must fit alone in each pool of every rank."""
+        for name, window in self.windows.items():
+            need = peak_pages(window, self.page_size, max_positions)
+            smallest = min(self.capacity[name])
+            if need > smallest:
+                return f"needs up to {need} KV pages of pool {name!r} but the smallest rank pool holds {smallest}"
+        return ""
+
+    def take(self, pages: Sequence[int] | Mapping[str, Sequence[int]], num_tokens: int = 0, seqs: int = 0) -> None:
+        """Spend pages[r] on rank r (per pool when a mapping, else the same in every pool)."""
+        by_pool = pages if isinstance(pages, Mapping) else dict.fromkeys(self.room, pages)
+        for name, need in by_pool.items():
+            if not fits(need, self.room[name]):
+                raise ValueError(f"taking {list(need)} pages overdraws headroom {self.room[name]} of pool {name!r}")
+        for name, need in by_pool.items():
+            self.room[name] = [h - p for h, p in zip(self.room[name], need, strict=True)]
         self.tokens_left -= num_tokens
         self.seqs_left -= seqs
 
@@ -125,11 +144,15 @@ class AdmissionControl:
         self.take([growth_pages(num_computed, n, self.page_size)] * self.ranks, n)
         return n
 
-    def shortfall(self, num_computed: int, num_tokens: int) -> int:
-        """Pages missing on the worst rank to compute num_tokens more (within the token budget)."""
+    def shortfall(self, num_computed: int, num_tokens: int) -> dict[str, int]:
+        """Pages missing in each pool on its worst rank to compute num_tokens more (within the token budget)."""
         n = min(num_tokens, max(self.tokens_left, 1))
         need = growth_pages(num_computed, n, self.page_size)
-        return max(0, max(need - h for h in self.headroom))
+        return {name: max(0, max(need - h for h in room)) for name, room in self.room.items()}
+
+    def held(self, num_computed: int) -> dict[str, int]:
+        """Pages a running request of num_computed positions holds in each pool: what preempting it frees."""
+        return {name: held_pages(num_computed, w, self.page_size) for name, w in self.windows.items()}
 
     def consider(
         self,
@@ -138,10 +161,10 @@ class AdmissionControl:
         answers: Sequence[ProbeAnswer | None] = (),
         probe_ready: bool = True,
     ) -> Decision:
-        """Admit a waiting request of num_tokens tokens whose first `agreed` pages are cached on every rank?
+        """Admit a waiting request of num_tokens tokens whose first `agreed` pages every rank can serve?
 
-        It needs, on each rank, the new pages of its first chunk beyond the prefix plus the cached pages
-        pinning takes out of that rank's evictable set; admitted, those are taken.
+        It needs, in each pool of each rank, the new pages of its first chunk beyond the prefix plus the
+        cached pages pinning takes out of that pool's evictable set; admitted, those are taken.
         """
         if self.seqs_left <= 0:
             return Decision(False, "max_num_seqs")
@@ -152,13 +175,43 @@ class AdmissionControl:
         prefix = agreed * self.page_size
         if not 0 <= prefix < num_tokens:
             raise ValueError(f"agreed prefix of {agreed} pages must leave a token of {num_tokens} to compute")
-        n = min(num_tokens - prefix, self.tokens_left)
+        n = min(num_tokens - prefix, self.tokens_left, self._alone(agreed) * self.page_size)
+        if n <= 0:
+            return Decision(False, "pages", 0, (), None)
         new = growth_pages(prefix, n, self.page_size)
-        need = [
-            new + pin_takeout(answers[r] if r < len(answers) else None, agreed) for r in range(self.ranks)
-        ]
-        if not fits(need, self.headroom):
-            worst = max(range(self.ranks), key=lambda r: need[r] - self.headroom[r])
-            return Decision(False, "pages", n, tuple(need), worst)
+        need = {
+            name: [new + self._takeout(name, answers[r] if r < len(answers) else None, agreed)
+                   for r in range(self.ranks)]
+            for name in self.room
+        }
+        worst_need = tuple(max(need[name][r] for name in need) for r in range(self.ranks))
+        short = {name: [need[name][r] - self.room[name][r] for r in range(self.ranks)] for name in need}
+        if any(x > 0 for v in short.values() for x in v):
+            worst = max(range(self.ranks), key=lambda r: max(v[r] for v in short.values()))
+            return Decision(False, "pages", n, worst_need, worst)
         self.take(need, n, 1)
-        return Decision(True, num_tokens=n, pages=tuple(need))
+        return Decision(True, num_tokens=n, pages=worst_need)
+
+    def _alone(self, agreed: int) -> int:
+        """New pages a first chunk after `agreed` prefix pages may take so that it could fit alone in every
+        pool of every rank: a sliding pool is sized for windows, not for a long prompt in one chunk."""
+        return min((min(self.capacity[name]) - self._pins(name, agreed) for name, w in self.windows.items() if w),
+                   default=1 << 62)
+
+    def _pins(self, name: str, agreed: int) -> int:
+        """Pages of pool `name` that pinning `agreed` prefix pages holds."""
+        window = self.windows[name]
+        return agreed if window is None else agreed - first_page(agreed * self.page_size, window, self.page_size)
+
+    def _takeout(self, name: str, answer: ProbeAnswer | None, agreed: int) -> int:
+        window = self.windows[name]
+        if window is None:
+            return pin_takeout(answer, agreed)
+        pins = self._pins(name, agreed)
+        if answer is None:
+            return pins
+        return pin_takeout(ProbeAnswer(answer.request_id, answer.sliding_held, answer.sliding_pinned), pins)
+
+
+def _pool(report: Report, name: str) -> PoolState:
+    return next(p for p in report.pools if p.pool == name)

@@ -10,22 +10,41 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from lockstep.kv.paging import first_page
 from lockstep.steps import ProbeAnswer
 
 
 def _check_answer(answer: ProbeAnswer) -> None:
     m, p = answer.matched_pages, answer.pinned_pages
+    rid = answer.request_id
     if type(m) is not int or m < 0:
-        raise ValueError(f"probe answer for {answer.request_id}: matched_pages {m!r} is not an int >= 0")
+        raise ValueError(f"probe answer for {rid}: matched_pages {m!r} is not an int >= 0")
     if type(p) is not int or not 0 <= p <= m:
-        raise ValueError(f"probe answer for {answer.request_id}: pinned_pages {p!r} is not in [0, matched {m}]")
+        raise ValueError(f"probe answer for {rid}: pinned_pages {p!r} is not in [0, matched {m}]")
+    end = 0
+    for a, b in answer.sliding_runs:
+        if not end <= a < b:
+            raise ValueError(f"probe answer for {rid}: sliding_runs {answer.sliding_runs} are not sorted disjoint runs")
+        end = b
+    if not 0 <= answer.sliding_pinned <= answer.sliding_held:
+        raise ValueError(f"probe answer for {rid}: sliding_pinned {answer.sliding_pinned} is not in "
+                         f"[0, held {answer.sliding_held}]")
 
 
-def agreed_prefix_pages(answers: Sequence[ProbeAnswer | None], prompt_len: int, page_size: int) -> int:
-    """Leading pages every rank holds (answers[r] is rank r's, None when missing), capped below the prompt.
+def agreed_prefix_pages(
+    answers: Sequence[ProbeAnswer | None], prompt_len: int, page_size: int, window: int = 0
+) -> int:
+    """The longest prefix every rank can serve (answers[r] is rank r's, None when missing), capped below the
+    prompt.
 
     At least one prompt token is always computed, since its logits give the first sample: a prompt of
     exactly k pages reuses at most k - 1. No answers, or a missing one, agree on 0.
+
+    With a sliding pool (`window` > 0) a rank can serve L pages only if its full pool holds pages 0..L-1
+    and its sliding pool the pages of the window before position L * page_size. Those lengths are not
+    downward closed (a rank holding full pages 0..9 and sliding pages 8..9 serves 10 but not 6), so the
+    minimum of each rank's longest could name a length some rank cannot serve: the largest L that every
+    rank serves is searched for, by the pages' identities.
     """
     if type(page_size) is not int or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -38,7 +57,14 @@ def agreed_prefix_pages(answers: Sequence[ProbeAnswer | None], prompt_len: int, 
         raise ValueError(f"probe answers of different requests mixed: {sorted(ids)}")
     for a in answers:
         _check_answer(a)
-    return min(min(a.matched_pages for a in answers), (prompt_len - 1) // page_size)
+    longest = min(min(a.matched_pages for a in answers), (prompt_len - 1) // page_size)
+    if window <= 0:
+        return longest
+    for length in range(longest, 0, -1):
+        first = first_page(length * page_size, window, page_size)
+        if all(a.sliding_holds(first, length) for a in answers):
+            return length
+    return 0
 
 
 def _rank_list(ranks: int | Iterable[int]) -> list[int]:

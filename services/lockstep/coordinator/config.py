@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockstep.coordinator.auth import parse_api_keys
+from lockstep.coordinator.rebalance import RebalancePolicy
 from lockstep.rank_auth import COORDINATOR_SETTINGS as RANK_AUTH_SETTINGS
 from lockstep.rank_auth import RankClientAuth, client_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
@@ -33,6 +34,11 @@ class CoordinatorConfig:
     dead_rank_timeout: float = 30.0
     replay_timeout: float = 300.0
     prefix_caching: bool = True
+    rebalance_enabled: bool = True  # --no-rebalance: the pool split stays where the ranks started it
+    rebalance_interval_steps: int = 10
+    rebalance_cooldown: float = 120.0  # seconds, on the coordinator's clock
+    rebalance_min_samples: int = 2000
+    rebalance_threshold: float = 1.25
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys of the HTTP and gRPC APIs; none: open
     rank_auth: RankClientAuth = field(default_factory=RankClientAuth)  # group token and TLS towards the ranks
 
@@ -46,6 +52,14 @@ class CoordinatorConfig:
         for name, addresses in self.groups.items():
             if not name or not addresses:
                 raise ValueError(f"group {name!r} needs a name and at least one rank address")
+        self.rebalance_policy  # noqa: B018 -- a bad policy is refused here, not at a group's first check
+
+    @property
+    def rebalance_policy(self) -> RebalancePolicy:
+        """The settings every group's rebalance decision reads: one policy, so no group checks on its own terms."""
+        return RebalancePolicy(enabled=self.rebalance_enabled, interval_steps=self.rebalance_interval_steps,
+                               cooldown_s=self.rebalance_cooldown, min_samples=self.rebalance_min_samples,
+                               threshold=self.rebalance_threshold)
 
 
 SETTINGS = (
@@ -75,6 +89,21 @@ SCHEDULING = (
             "(0: 503 at once when no other group is up)", within(0, 86400)),
     Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
             help="turn prefix caching off", switch=True, flag_value=False),
+)
+# The rebalance of a hybrid model's KV split (DESIGN.md "Rebalance agreement"); the coordinator and
+# `lockstep serve` take these, the ranks never (they carry out the split the plan names).
+REBALANCE = (
+    Setting("rebalance_interval_steps", "--rebalance-interval-steps", "LOCKSTEP_REBALANCE_INTERVAL_STEPS", integer,
+            10, "check whether to rebalance the KV pools at every plan step that is a multiple of this",
+            at_least(1)),
+    Setting("rebalance_cooldown", "--rebalance-cooldown", "LOCKSTEP_REBALANCE_COOLDOWN", number, 120.0,
+            "seconds after a rebalance before the next one (the coordinator's clock)", at_least(0)),
+    Setting("rebalance_min_samples", "--rebalance-min-samples", "LOCKSTEP_REBALANCE_MIN_SAMPLES", integer, 2000,
+            "finished requests sampled since the last rebalance before the next one", at_least(0)),
+    Setting("rebalance_threshold", "--rebalance-threshold", "LOCKSTEP_REBALANCE_THRESHOLD", number, 1.25,
+            "rebalance only when a pool is off its target size by more than this ratio", at_least(1.0)),
+    Setting("rebalance_enabled", "--no-rebalance", "LOCKSTEP_REBALANCE_ENABLED", default=True,
+            help="never move the KV split between pools", switch=True, flag_value=False),
 )
 
 
@@ -106,9 +135,9 @@ def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -
     p.add_argument("--group", action="append", default=[],
                    help="NAME=HOST:PORT,HOST:PORT (ranks in order; repeatable; env LOCKSTEP_GROUPS, ';'-joined)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, SETTINGS + SCHEDULING + RANK_AUTH_SETTINGS)
+    add_settings(p, SETTINGS + SCHEDULING + REBALANCE + RANK_AUTH_SETTINGS)
     args = p.parse_args(argv)
-    values = resolve(p, args, SETTINGS + SCHEDULING, env)
+    values = resolve(p, args, SETTINGS + SCHEDULING + REBALANCE, env)
     try:
         values["api_keys"] = parse_api_keys(args.api_key, env.get("LOCKSTEP_API_KEY", ""))
         values["rank_auth"] = client_auth(resolve(p, args, RANK_AUTH_SETTINGS, env), env)

@@ -21,6 +21,8 @@ from lockstep.tokenizer import IncrementalDecoder, Tokenizer
 
 # The documented range of every request field (docs/commands.md and /openapi.json quote these).
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 128
+MAX_N = 16  # choices of one request: each is a request of its own in the queue and the batch
 DEFAULT_RETRY_AFTER_S = 5  # a 503 that names no better time
 MAX_STOP_CHARS = 256  # a longer stop string would hold all output back until the end
 TEMPERATURE_MAX = 2.0
@@ -67,9 +69,11 @@ class GenerateSpec:
     sampling: SamplingParams
     max_tokens: int
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS (unless ignore_eos) and the client's
     ignore_eos: bool = False
     max_tokens_given: bool = True  # False: max_tokens is "up to the context", which the group may lower
+    n: int = 1  # choices; `choice_specs` fans a spec out into n specs of one choice each
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string or token stays in the text
 
 
 class ServedModel(Protocol):
@@ -135,6 +139,8 @@ class SamplingFields:
     max_tokens: int | None = None
     stop: Sequence[str] = ()
     ignore_eos: bool | None = None
+    stop_token_ids: Sequence[int] = ()
+    include_stop_str_in_output: bool | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> SamplingFields:
@@ -148,8 +154,17 @@ class SamplingFields:
         if max_tokens is None:
             max_tokens = json_field(body, "max_completion_tokens", (int,))
         stop = json_field(body, "stop", (str, list), [])
+        stop_ids = json_field(body, "stop_token_ids", (list,), [])
+        if not all(_is_integer(t) for t in stop_ids):
+            raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
         return cls(temperature, top_p, top_k, seed, n, max_tokens, [stop] if isinstance(stop, str) else stop,
-                   json_field(body, "ignore_eos", (bool,)))
+                   json_field(body, "ignore_eos", (bool,)), [int(t) for t in stop_ids],
+                   json_field(body, "include_stop_str_in_output", (bool,)))
+
+
+def _is_integer(value: object) -> bool:
+    """A JSON integer (8.0 included, as JSON Schema reads it; true is not one)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 @dataclass(frozen=True)
@@ -160,14 +175,17 @@ class Sampling:
     max_tokens: int | None
     stop: list[str]
     ignore_eos: bool
+    n: int = 1
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str: bool = False
 
 
 def parse_sampling(fields: SamplingFields) -> Sampling:
     """Check every field's range (OpenAI's where it has one); a bad one is a 400 naming it."""
     params = _sampling_params(fields)
     n = 1 if fields.n is None else fields.n
-    if n != 1:
-        raise ApiError(400, f"only n=1 is supported, got {_shown(n)}", "n")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {_shown(n)}", "n")
     max_tokens = fields.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"'max_tokens' must be at least 1, got {_shown(max_tokens)}", "max_tokens")
@@ -175,7 +193,11 @@ def parse_sampling(fields: SamplingFields) -> Sampling:
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} of them, each of at "
                             f"most {MAX_STOP_CHARS} characters", "stop")
-    return Sampling(params, max_tokens, stop, bool(fields.ignore_eos))
+    stop_ids = list(fields.stop_token_ids)
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    return Sampling(params, max_tokens, stop, bool(fields.ignore_eos), n, stop_ids,
+                    bool(fields.include_stop_str_in_output))
 
 
 def _sampling_params(fields: SamplingFields) -> SamplingParams:
@@ -228,6 +250,8 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
     vocab = model.tokenizer.vocab_size
     if any(t < 0 or t >= vocab for t in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if any(t < 0 or t >= vocab for t in sampling.stop_token_ids):
+        raise ApiError(400, f"'stop_token_ids' must be token ids in [0, {vocab})", "stop_token_ids")
     room = limit - len(prompt_ids)
     if room < 1:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
@@ -239,9 +263,10 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
         raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                             f"{len(prompt_ids)} tokens and max_tokens is {_shown(max_tokens)}", "max_tokens",
                        "context_length_exceeded")
-    eos = [] if sampling.ignore_eos else sorted(model.tokenizer.eos_token_ids)
-    return GenerateSpec(list(prompt_ids), sampling.params, max_tokens, sampling.stop, eos, sampling.ignore_eos,
-                        sampling.max_tokens is not None)
+    eos = set() if sampling.ignore_eos else set(model.tokenizer.eos_token_ids)
+    stop_ids = sorted(eos | set(sampling.stop_token_ids))
+    return GenerateSpec(list(prompt_ids), sampling.params, max_tokens, sampling.stop, stop_ids, sampling.ignore_eos,
+                        sampling.max_tokens is not None, sampling.n, sampling.include_stop_str)
 
 
 # ----- output
@@ -274,11 +299,14 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
                       ) -> AsyncGenerator[TextPiece, None]:
     """Text pieces of the request's tokens, holding back what could still become a stop string.
 
-    The output ends at the first stop string (finish reason "stop"), which is not sent; an error event
-    raises ApiError. Closing the pieces early closes the events, which aborts the request.
+    The output ends at the first stop string (finish reason "stop"), which is not sent; a stop token (EOS or
+    one of stop_token_ids) ends it too and has no text, though its id is in token_ids (vLLM's convention);
+    with include_stop_str both are kept in the text. An error event raises ApiError. Closing the pieces
+    early closes the events, which aborts the request.
     """
     decoder = IncrementalDecoder(tokenizer)
     vocab = tokenizer.vocab_size
+    hidden = frozenset(() if spec.include_stop_str else spec.stop_token_ids)
     hold = max((len(s) for s in spec.stop), default=1) - 1
     text, sent, ids = "", 0, []
     async with aclosing(events):
@@ -287,11 +315,12 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             if ev.token_id is not None:
                 ids.append(ev.token_id)
                 # a model whose embedding is padded past the tokenizer can sample an id with no text: it reads as ""
-                text += decoder.add(ev.token_id) if 0 <= ev.token_id < vocab else ""
+                if 0 <= ev.token_id < vocab and ev.token_id not in hidden:
+                    text += decoder.add(ev.token_id)
             reason = ev.finish_reason
             if reason is not None:
                 text += decoder.flush()  # before the stop check: the held-back text may hold a stop string
-            cut = _find_stop(text, spec.stop, sent)
+            cut = _find_stop(text, spec.stop, sent, spec.include_stop_str)
             if cut is not None:
                 text, reason = text[:cut], FinishReason.STOP
             if reason is not None:
@@ -310,14 +339,15 @@ def _raise_error(ev: TokenEvent) -> None:
         raise ApiError(503, ev.error, code="group_unavailable", err_type="service_unavailable")
 
 
-def _find_stop(text: str, stops: list[str], sent: int) -> int | None:
-    """Where the first stop string starts; text before `sent` holds none, so the search starts there."""
-    best = None
+def _find_stop(text: str, stops: list[str], sent: int, keep: bool = False) -> int | None:
+    """Where the text ends at the first stop string: where it starts, or (`keep`) where it ends. Text before
+    `sent` holds none, so the search starts there."""
+    best, end = None, None
     for s in stops:
         i = text.find(s, max(0, sent - len(s) + 1))
         if i >= 0 and (best is None or i < best):
-            best = i
-    return best
+            best, end = i, i + len(s)
+    return end if keep else best
 
 
 async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
@@ -329,3 +359,4 @@ async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
             ids.extend(piece.token_ids)
             reason, cached = piece.finish_reason or reason, piece.cached_tokens
     return Completion("".join(text), ids, reason, cached)
+

@@ -24,7 +24,7 @@ from lockstep.coordinator.group_ranks import RECONNECT_S, GroupDown, GroupRanks
 from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.request import Request
 from lockstep.coordinator.scheduler import Scheduler
-from lockstep.kv.paging import pages_for
+from lockstep.kv.paging import POOL_FULL, pages_for
 from lockstep.rank_auth import RankClientAuth
 from lockstep.steps import Plan, RankInfo, Report
 
@@ -78,7 +78,7 @@ class GroupRunner:
         self.flush_sent: dict[int, asyncio.Future] = {}  # flushes in the plan in flight
         self.last_reports: list[Report] = []
         self.release_all = False
-        self.capacity_tokens = 0  # tokens the smallest pool of the group holds: the most one request can use
+        self.capacity_tokens = 0  # tokens the smallest full pool holds: the most one request can use (0: any)
         self.page_size = 1
         self.step_timings: deque[StepTiming] = deque(maxlen=STEP_LOG_LIMIT)
         self.steps_run = 0  # steps run since the group last formed: the step log's index
@@ -197,7 +197,7 @@ class GroupRunner:
         self.release_all = True
         self.up = True
         self.down_reason = ""
-        totals = [n for i in infos for _, n in i.pools]
+        totals = [n for i in infos for name, n in i.pools if name == POOL_FULL]  # a window bounds no context
         self.page_size = infos[0].page_size
         self.capacity_tokens = min(totals) * self.page_size if totals else 0
         self.metrics.forget_scheduler(self.name)
@@ -249,7 +249,7 @@ class GroupRunner:
 
     def _next_plan(self) -> Plan:
         self.flush_sent, self.flush_asked = self.flush_asked, {}
-        plan = self.scheduler.plan(self.step, self.last_reports, flush=bool(self.flush_sent))
+        plan = self.scheduler.plan(self.step, self.last_reports, flush=bool(self.flush_sent), now=time.monotonic())
         if self.release_all:
             plan, self.release_all = dataclasses.replace(plan, release_all=True), False
         return plan
@@ -258,6 +258,8 @@ class GroupRunner:
         """What the reports say before the scheduler reads them: flushes done, refusals, pool gauges."""
         if plan.probes:  # the prefix answers ride on this step's reports: their wait is this one
             self.metrics.agreement_wait.labels(self.name, "prefix").observe(wait_s)
+        if plan.pool_split:
+            self._observe_rebalance(plan, reports, wait_s)
         for fut in self.flush_sent.values():
             if not fut.done():
                 fut.set_result(None)
@@ -270,6 +272,17 @@ class GroupRunner:
             log.error("group %s step %d refused by the ranks (a coordinator bug if admission allowed it): %s",
                       self.name, plan.step, "; ".join(f"rank {r.rank}: {r.error}" for r in refused))
         self.metrics.observe_pools(self.name, {r.rank: r.pools for r in reports})
+
+    def _observe_rebalance(self, plan: Plan, reports: list[Report], wait_s: float) -> None:
+        """A rebalance step: its agreement wait, and the split moved (on /metrics and in the log) or refused."""
+        self.metrics.agreement_wait.labels(self.name, "rebalance").observe(wait_s)
+        before = {p.pool: p.total for p in self.last_reports[0].pools} if self.last_reports else {}
+        after = dict(plan.pool_split)
+        if any(r.error for r in reports):
+            log.error("group %s: rebalance to %s refused at step %d; it is not sent again", self.name, after, plan.step)
+            return
+        reason = self.scheduler.rebalancer.reason if self.scheduler.rebalancer is not None else ""
+        self.metrics.observe_rebalance(self.name, before, after, reason)
 
     def _apply(self, reports: list[Report]) -> None:
         events = self.scheduler.apply(reports)

@@ -18,10 +18,11 @@ from lockstep.tokenizer import Tokenizer
 
 
 def resolve_model(model: str, progress: Callable[[str], None]) -> Path:
-    if model == "builtin":
-        from lockstep.model.builtin import ensure_builtin_model
+    """--model as a directory: 'builtin' and 'builtin:NAME' are fetched and imported on first use."""
+    if model.startswith("builtin"):
+        from lockstep.model.builtin import resolve_model as resolve_builtin
 
-        return ensure_builtin_model(progress=progress)
+        return resolve_builtin(model, progress=progress)
     return Path(model)
 
 

@@ -6,6 +6,7 @@ coordinators in one process and `/metrics` shows only this coordinator's series.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter as Tally
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from lockstep.steps import PoolState
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ROUTING_REASONS = ("least_loaded", "replay")  # a new request; a request moved off a group that went down
+rebalance_log = logging.getLogger("lockstep.rebalance")
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -38,6 +40,10 @@ class Metrics:
         self.rank_pages = Gauge(
             "lockstep_rank_pages", "KV pages per rank and pool by state", ["group", "rank", "pool", "state"],
             registry=r,
+        )
+        self.rank_pool_pages = Gauge(
+            "lockstep_rank_pool_pages", "KV pages a rank's pool holds in all (its share of the split)",
+            ["group", "rank", "pool"], registry=r,
         )
         self.free_page_skew = Gauge(
             "lockstep_free_page_skew_pages", "Max minus min free pages over the ranks of a group",
@@ -84,8 +90,16 @@ class Metrics:
             "lockstep_step_duration_seconds", "Wall time of one step of a group", ["group"],
             buckets=WAIT_BUCKETS, registry=r,
         )
+        self._add_group_lifecycle(r)
+
+    def _add_group_lifecycle(self, r: CollectorRegistry) -> None:
+        """The series of groups coming and going, rebalancing and handing requests on (split off only to keep
+        the constructor readable)."""
         self.rank_up = Gauge("lockstep_rank_up", "1 while a rank's stream is up", ["group", "rank"], registry=r)
-        self.rebalances = Counter("lockstep_rebalances_total", "KV pool rebalances", ["group"], registry=r)
+        self.rebalances = Counter(
+            "lockstep_rebalances_total", "KV pool rebalances every rank of the group carried out, since the "
+            "group last came up", ["group"], registry=r,
+        )
         self.requests_migrated = Counter(
             "lockstep_requests_migrated_total", "Running requests moved from this group to another", ["group"],
             registry=r,
@@ -123,18 +137,35 @@ class Metrics:
             self.prefix_offered.labels(group, str(rank))
 
     def observe_pools(self, group: str, pools_by_rank: dict[int, list[PoolState]]) -> None:
+        """Every rank's pages by state, and its pool totals: after a rebalance these must be equal on all
+        ranks of the group (LockstepPoolTotalsDiverged watches that)."""
         free_by_pool: dict[str, list[int]] = {}
         for rank, pools in pools_by_rank.items():
             for p in pools:
+                self.rank_pool_pages.labels(group, str(rank), p.pool).set(p.total)
                 for state, value in (("free", p.free), ("evictable", p.evictable), ("used", p.used)):
                     self.rank_pages.labels(group, str(rank), p.pool, state).set(value)
                 free_by_pool.setdefault(p.pool, []).append(p.free)
         for pool, frees in free_by_pool.items():
             self.free_page_skew.labels(group, pool).set(max(frees) - min(frees))
 
+    def observe_rebalance(self, group: str, before: dict[str, int], after: dict[str, int], reason: str) -> None:
+        """A rebalance every rank of the group carried out: counted, and logged with the old and new split
+        and why, so that an operator can tie a change in admissions or preemptions to it."""
+        self.rebalances.labels(group).inc()
+        pools = sorted(before.keys() | after.keys())
+        split = lambda s: " ".join(f"{pool}={s[pool]}" if pool in s else f"{pool}=-" for pool in pools)
+        rebalance_log.info("group %s: rebalanced the KV pools from %s to %s pages per rank (%s)",
+                           group, split(before), split(after), reason)
+
     def forget_scheduler(self, group: str) -> None:
-        """A new scheduler for the group starts its totals at zero."""
+        """A new scheduler for the group starts its totals at zero. The group's rebalance count restarts too
+        (a counter reset, which rate() and increase() take in their stride): its ranks came up with their
+        own pool sizes, which may differ until the group rebalances again, so LockstepPoolTotalsDiverged
+        must not read an earlier life's rebalance as a promise of equal totals."""
         self._exported.pop(group, None)
+        self.rebalances.remove(group)
+        self.rebalances.labels(group)
 
     def export_scheduler_stats(self, group: str, stats: SchedulerStats) -> None:
         """The scheduler keeps running totals; the Prometheus counters take what is new since the last call."""

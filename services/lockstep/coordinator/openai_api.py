@@ -9,51 +9,29 @@ rank at the next step.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import re
-import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Iterable
-from contextlib import aclosing
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 
 import lockstep
 from lockstep.coordinator.auth import ApiKeys
-from lockstep.coordinator.generation import (
-    ApiError,
-    Completion,
-    Frontend,
-    GenerateSpec,
-    SamplingFields,
-    TextPiece,
-    build_spec,
-    check_model,
-    collect,
-    generate_text,
-    json_field,
-)
+from lockstep.coordinator.generation import ApiError, Frontend, SamplingFields, build_spec, check_model, json_field
 from lockstep.coordinator.openai_fields import (
     MAX_BODY_BYTES,
+    check_echo,
     check_fields,
     check_messages,
     check_shadowed_max_tokens,
     load_body,
-    stream_options,
 )
+from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
 
 log = logging.getLogger("lockstep.api")
-T = TypeVar("T")
-DISCONNECT_POLL_S = 0.2  # how soon a client that hung up has its request aborted
 _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer was ready."""
 
 
 class OpenAIServer:
@@ -102,7 +80,7 @@ class OpenAIServer:
             headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
             return web.json_response(err.body(), status=exc.status, headers=headers)
         except Exception as exc:
-            return web.json_response(_internal_error(request, exc).body(), status=500)
+            return web.json_response(internal_error(request, exc).body(), status=500)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -132,25 +110,6 @@ class OpenAIServer:
             check_shadowed_max_tokens(body, self.frontend.max_model_len)
         return body
 
-    async def _unless_gone(self, request: web.Request, work: Awaitable[T]) -> T:
-        """Run `work` until it ends or the client hangs up. A client that hangs up has `work` cancelled, which
-        closes its request's events: the request aborts and frees its pages and its batch seat at once. (aiohttp
-        cancels a handler on disconnect only when its runner is made with handler_cancellation; this does not
-        depend on it.)"""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    raise ClientGone
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: `prompt` is a string or a list of token ids (or a list of one of them)."""
         body = await self._json(request, "completions")
@@ -164,7 +123,10 @@ class OpenAIServer:
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
-        return await self._respond(request, body, spec, chat=False)
+        echo = ""
+        if check_echo(body):  # the prompt's text: as given, or the decoded token ids
+            echo = prompt if isinstance(prompt, str) else self.frontend.tokenizer.decode(prompt_ids)
+        return await respond(request, self.frontend, body, spec, Shape(False, _token_ids(body), echo))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions: the messages go through the model's chat template."""
@@ -172,7 +134,7 @@ class OpenAIServer:
         text = self._chat_text(check_messages(body.get("messages")))
         prompt_ids = self.frontend.tokenizer.encode(text, add_special_tokens=False)
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
-        return await self._respond(request, body, spec, chat=True)
+        return await respond(request, self.frontend, body, spec, Shape(True, _token_ids(body)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered by the chat template as /v1/chat would,
@@ -214,74 +176,6 @@ class OpenAIServer:
             return self.frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except ValueError as exc:
             raise ApiError(400, f"the chat template could not be applied: {exc}", "messages") from exc
-
-    async def _respond(self, request: web.Request, body: dict, spec: GenerateSpec, chat: bool) -> web.StreamResponse:
-        stream = json_field(body, "stream", (bool,), False)
-        token_ids = json_field(body, "return_token_ids", (bool,), False)
-        include_usage = stream_options(body)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        base = {"id": rid, "created": int(time.time()), "model": self.frontend.model_name}
-        outputs = generate_text(self.frontend, rid, spec)
-        if not stream:
-            done = await self._unless_gone(request, collect(outputs))
-            return web.json_response(self._whole(base, spec, done, chat, token_ids))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        try:
-            await resp.prepare(request)
-            n_out, cached = await self._unless_gone(request, self._stream(resp, base, spec, outputs, chat, token_ids))
-        except (ConnectionResetError, ClientGone):
-            await outputs.aclose()
-            log.info("client of %s went away; its request is aborted", rid)
-            return resp
-        except Exception as exc:  # after the 200 went out, an error can only be an event of the stream
-            err = exc if isinstance(exc, ApiError) else _internal_error(request, exc)
-            await resp.write(f"data: {json.dumps(err.body())}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        if include_usage:
-            chunk = {**base, "object": chunk_kind, "choices": [], "usage": _usage(spec, n_out, cached)}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    @staticmethod
-    def _whole(base: dict, spec: GenerateSpec, done: Completion, chat: bool, token_ids: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = done.text
-        if token_ids:
-            choice["token_ids"] = done.token_ids
-        kind = "chat.completion" if chat else "text_completion"
-        out = {**base, "object": kind, "choices": [choice], "usage": _usage(spec, len(done.token_ids),
-                                                                             done.cached_tokens)}
-        if token_ids:
-            out["prompt_token_ids"] = spec.prompt_ids
-        return out
-
-    async def _stream(self, resp: web.StreamResponse, base: dict, spec: GenerateSpec,
-                      outputs: AsyncGenerator[TextPiece, None], chat: bool, token_ids: bool) -> tuple[int, int]:
-        """Write one server-sent event per text piece; returns the tokens sent and the cached prompt tokens."""
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        first = True
-        n_out = 0
-        cached = 0
-        async with aclosing(outputs):
-            async for piece in outputs:
-                n_out += len(piece.token_ids)
-                cached = piece.cached_tokens
-                choice = _stream_choice(piece, chat, first)
-                if token_ids:
-                    choice["token_ids"] = piece.token_ids
-                chunk = {**base, "object": chunk_kind, "choices": [choice]}
-                if token_ids and first:
-                    chunk["prompt_token_ids"] = spec.prompt_ids
-                first = False
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        return n_out, cached
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the one served model."""
@@ -366,10 +260,9 @@ def _group_query(request: web.Request) -> str:
     return group
 
 
-def _internal_error(request: web.Request, exc: Exception) -> ApiError:
-    """Our own bug, logged with its traceback; the client learns only that it happened."""
-    log.error("internal error serving %s %s", request.method, request.path, exc_info=exc)
-    return ApiError(500, "internal error; the coordinator logged it", err_type="server_error")
+def _token_ids(body: dict) -> bool:
+    """vLLM's return_token_ids: prompt_token_ids and choices[].token_ids in the answer."""
+    return json_field(body, "return_token_ids", (bool,), False)
 
 
 def _is_integer(value: object) -> bool:
@@ -388,21 +281,6 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
     if value < minimum:
         raise ApiError(400, f"'{name}' must be at least {minimum}, got {value}", name)
     return value
-
-
-def _stream_choice(piece: TextPiece, chat: bool, first: bool) -> dict[str, Any]:
-    if not chat:
-        return {"index": 0, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
-    delta: dict[str, Any] = {"content": piece.text}
-    if first:
-        delta["role"] = "assistant"
-    return {"index": 0, "delta": delta, "finish_reason": piece.finish_reason, "logprobs": None}
-
-
-def _usage(spec: GenerateSpec, completion: int, cached: int) -> dict:
-    prompt = len(spec.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def run_app(app: web.Application, host: str, port: int) -> web.AppRunner:

@@ -19,16 +19,20 @@ from typing import Any
 from lockstep.coordinator.generation import ApiError, json_field
 
 MAX_BODY_BYTES = 4 << 20  # aiohttp's client_max_size: a bigger body is a 413
-MAX_JSON_DEPTH = 32  # the deepest accepted request is 4 levels; a 10000-level body is a 400, not a RecursionError
+# the deepest accepted request is 5 levels (a content part); a 10000-level body is a 400, not a RecursionError
+MAX_JSON_DEPTH = 32
 MAX_USER_CHARS = 256
 MESSAGE_FIELDS = ("role", "content", "name")
+CONTENT_PART_FIELDS = ("type", "text")
 STREAM_OPTIONS = {"include_usage": None, "continuous_usage_stats": (False,)}  # None: implemented
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Implemented on both endpoints (generation.py checks their ranges), then each endpoint's own.
 SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-            "ignore_eos", "stream", "stream_options", "return_token_ids", "user")
-IMPLEMENTED = {"completions": ("prompt", *SAMPLING), "chat": ("messages", *SAMPLING), "reset_prefix_cache": ("rank",),
+            "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "stream", "stream_options",
+            "return_token_ids", "user")
+IMPLEMENTED = {"completions": ("prompt", "echo", *SAMPLING), "chat": ("messages", *SAMPLING),
+               "reset_prefix_cache": ("rank",),
                # vLLM's /tokenize takes a prompt or a chat (two request kinds), /detokenize token ids
                "tokenize": ("model", "prompt", "add_special_tokens", "return_token_strs"),
                "tokenize_chat": ("model", "messages", "add_generation_prompt", "add_special_tokens",
@@ -38,11 +42,11 @@ IMPLEMENTED = {"completions": ("prompt", *SAMPLING), "chat": ("messages", *SAMPL
 # Not implemented: accepted only at the value that asks for nothing (or null).
 _NOOP_COMMON: dict[str, tuple] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "min_p": (0,), "stop_token_ids": ([],), "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
+    "min_tokens": (0,), "min_p": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),  # vLLM's; best_of (completions) likewise only 1: every choice is returned
 }
 NOOP: dict[str, dict[str, tuple]] = {
-    "completions": {**_NOOP_COMMON, "logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "completions": {**_NOOP_COMMON, "logprobs": (), "best_of": (1,), "suffix": ("",),
                     "prompt_logprobs": ()},
     "chat": {**_NOOP_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
              "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,)},
@@ -148,9 +152,12 @@ def stream_options(body: Mapping[str, Any]) -> bool:
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """A chat's messages: a non-empty array of {role, content, name?}, text only; a 400 naming the first bad one."""
+    """A chat's messages as the chat template takes them: {role, content, name?} with text content. Content
+    may be text, null (read as "", as vLLM does: an assistant turn with no text) or an array of text parts,
+    joined by newlines (vLLM's rule); any other part type, or field, is a 400 naming it."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -159,8 +166,43 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if extra:
             raise ApiError(400, f"unsupported field '{where}.{extra[0]}' (a message has {', '.join(MESSAGE_FIELDS)})",
                            "messages", "unsupported_field")
-        if not isinstance(m.get("content"), (str, type(None))):
-            raise ApiError(400, f"{where}.content must be a string (content parts are not supported)", "messages")
         if not isinstance(m.get("name"), (str, type(None))):
             raise ApiError(400, f"{where}.name must be a string", "messages")
-    return messages
+        message = {"role": m["role"], "content": _content(m.get("content"), where)}
+        if m.get("name") is not None:
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content as text: a string, null, or text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or an array of content parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ApiError(400, f"{at} must be an object with a string 'type'", "messages")
+        if part["type"] != "text":
+            raise ApiError(400, f"unsupported content part type '{part['type'][:40]}' at {at}: Lockstep serves "
+                                "text only (parts of type 'text')", "messages", "unsupported_content_part")
+        extra = [k for k in part if k not in CONTENT_PART_FIELDS and part[k] is not None]
+        if extra:
+            raise ApiError(400, f"unsupported field '{at}.{extra[0]}' (a text part has type, text)", "messages",
+                           "unsupported_field")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{at}.text must be a string", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def check_echo(body: Mapping[str, Any]) -> bool:
+    """Whether a completion echoes its prompt; only without logprobs (prompt logprobs are not computed)."""
+    echo = json_field(body, "echo", (bool,), False)
+    if echo and body.get("logprobs") is not None:
+        raise ApiError(400, "'echo' is supported only without 'logprobs' (no prompt logprobs)", "echo",
+                       "unsupported_value")
+    return echo

@@ -16,7 +16,6 @@ from lockstep.coordinator.openai_fields import (
     IMPLEMENTED,
     MAX_BODY_BYTES,
     MAX_USER_CHARS,
-    MESSAGE_FIELDS,
     NOOP,
     STREAM_OPTIONS,
 )
@@ -43,8 +42,12 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
     """The schema of every implemented field (each also takes null: "not sent")."""
     stop = {"type": "string", "minLength": 1, "maxLength": g.MAX_STOP_CHARS}
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
+    part = {"type": "object", "required": ["type", "text"], "additionalProperties": NULL,  # other keys: null only
+            "properties": {"type": {"const": "text"}, "text": STR}}
+    content = {"anyOf": [STR, NULL, {"type": "array", "items": part}],
+               "description": "text, null (empty) or text parts (joined by newlines); other part types are a 400"}
     message = {"type": "object", "required": ["role"], "additionalProperties": NULL,  # other keys: null only
-               "properties": {name: STR if name == "role" else _nullable(STR) for name in MESSAGE_FIELDS}}
+               "properties": {"role": STR, "content": content, "name": _nullable(STR)}}
     options = {name: _nullable(BOOL) if noop is None else {"enum": [None, *noop]}
                for name, noop in STREAM_OPTIONS.items()}
     return {
@@ -55,6 +58,7 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
                                   f"({max_model_len})"},
         "messages": {"type": "array", "minItems": 1, "items": message,
                      "description": "rendered by the model's chat template; content is text only"},
+        "echo": {**BOOL, "description": "put the prompt's text before each choice's text (without logprobs)"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
                        "description": "default: up to the context length"},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
@@ -62,10 +66,15 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
         "temperature": {"type": "number", "minimum": 0, "maximum": g.TEMPERATURE_MAX, "description": "0: greedy"},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": -1, "maximum": g.TOP_K_MAX, "description": "-1 or 0: off"},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "one choice per request"},
+        "n": {"type": "integer", "minimum": 1, "maximum": g.MAX_N,
+              "description": "choices, each sampled on its own (with a seed, choice i draws with seed + i)"},
         "seed": {"type": "integer", "minimum": g.SEED_MIN, "maximum": g.SEED_MAX},
         "stop": {"anyOf": [stop, {"type": "array", "maxItems": g.MAX_STOP_STRINGS, "items": stop}]},
-        "ignore_eos": BOOL,
+        "stop_token_ids": {"type": "array", "maxItems": g.MAX_STOP_TOKEN_IDS, "items": {
+            "type": "integer", "minimum": 0, "maximum": vocab - 1},
+            "description": "end at any of these tokens (finish_reason stop); its id is in token_ids, not its text"},
+        "include_stop_str_in_output": {**BOOL, "description": "keep the stop string or stop token in the text"},
+        "ignore_eos": {**BOOL, "description": "do not end at the end-of-sequence token"},
         "stream": {**BOOL, "description": "server-sent events, ending with data: [DONE]"},
         "stream_options": {"type": "object", "additionalProperties": False, "properties": options},
         "return_token_ids": {**BOOL, "description": "add prompt_token_ids and choices[].token_ids (vLLM)"},

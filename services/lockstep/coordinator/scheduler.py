@@ -23,11 +23,12 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lockstep.coordinator.admission import AdmissionControl, Decision, pages_for
+from lockstep.coordinator.admission import AdmissionControl, Decision
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.coordinator.step_reports import LastPools, in_rank_order
+from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
 from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
 
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
@@ -57,6 +58,8 @@ class Scheduler:
         ranks: int,
         prefix_caching: bool = True,
         max_model_len: int | None = None,
+        window: int = 0,
+        rebalancer: Rebalancer | None = None,
     ) -> None:
         for name, value in (
             ("page_size", page_size),
@@ -77,6 +80,10 @@ class Scheduler:
         self.ranks = ranks
         self.prefix_caching = prefix_caching
         self.max_model_len = max_model_len
+        self.window = window  # tokens a `sliding` pool's layers see; 0: the group has no such pool
+        self.rebalancer = rebalancer
+        self.rebalances = 0  # rebalances carried out (the service exports them)
+        self._now = 0.0
         self.stats = SchedulerStats(prefix_offered_pages=[0] * ranks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -176,19 +183,29 @@ class Scheduler:
 
     # ----- planning
 
-    def plan(self, step: int, reports: Sequence[Report], flush: bool = False) -> Plan:
+    def plan(self, step: int, reports: Sequence[Report], flush: bool = False, now: float = 0.0) -> Plan:
         """Plan `step` from the reports of the last plan (all ranks; [] before the first report).
 
         `flush`: some rank drops its prefix cache at this step (after releases, before pins), so nothing
-        is admitted with a cached prefix in it; the probes it answers after the flush are fresh.
+        is admitted with a cached prefix in it; the probes it answers after the flush are fresh. `now` is
+        the coordinator's clock, for the rebalance cooldown; a rebalance step carries nothing but releases.
         """
         reports = self._pools.fill(self._check_plan_reports(step, reports))
         releases, self._releases = self._releases, []
-        batch: dict[str, tuple[Chunk, list[int]]] = {}
+        self._now = now
+        split = None
+        if reports and not flush and self.rebalancer is not None:
+            split = self.rebalancer.decide(step, now, reports)
+        if split is not None:
+            self._last_plan = Plan(step, releases=tuple(dict.fromkeys(releases)),
+                                   pool_split=tuple(sorted(split.items())))
+            return self._last_plan
+        batch: dict[str, Chunk] = {}
         admits: list[Admit] = []
         if reports:
             control = AdmissionControl(
-                reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens, len(self.running)
+                reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens, len(self.running),
+                self.window,
             )
             preempted = self._schedule_running(control, batch, releases)
             if preempted:
@@ -200,30 +217,17 @@ class Scheduler:
             step=step,
             releases=tuple(dict.fromkeys(releases)),
             admits=tuple(admits),
-            batch=tuple(chunk for chunk, _ in batch.values()),
+            batch=tuple(batch.values()),
             probes=tuple(probes),
         )
         self._last_plan = plan
         return plan
 
     def _check_plan_reports(self, step: int, reports: Sequence[Report]) -> list[Report]:
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
         last = self._last_plan
         if last is not None and self._applied != last.step:
             raise ValueError(f"plan {last.step} was not applied: call apply() with its reports first")
-        if last is not None and step <= last.step:
-            raise ValueError(f"step {step} must come after the last planned step {last.step}")
-        if not reports:
-            if last is not None:
-                raise ValueError(f"plan {step} needs the reports of step {last.step}")
-            return []
-        ordered = in_rank_order(reports, self.ranks)
-        if last is not None and ordered[0].step != last.step:
-            raise ValueError(f"plan {step} must be built from the reports of step {last.step}")
-        if ordered[0].step >= step:
-            raise ValueError(f"plan {step} cannot be built from reports of step {ordered[0].step}")
-        return ordered
+        return plan_reports(step, reports, None if last is None else last.step, self.ranks)
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         start = req.num_computed
@@ -236,13 +240,11 @@ class Scheduler:
             sample_index=len(req.generated),
         )
 
-    def _schedule_running(
-        self, control: AdmissionControl, batch: dict[str, tuple[Chunk, list[int]]], releases: list[str]
-    ) -> bool:
+    def _schedule_running(self, control: AdmissionControl, batch: dict[str, Chunk], releases: list[str]) -> bool:
         """Give every running request its next chunk while it fits; where one cannot grow, preempt the
-        newest running requests until the pages they hold cover its shortfall. Their pages are free only
-        from the next report, so the request itself waits this step. Returns whether anything was
-        preempted."""
+        newest running requests until the pages they hold cover its shortfall in every pool. Their pages
+        are free only from the next report, so the request itself waits this step. Returns whether
+        anything was preempted."""
         preempted = False
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
@@ -252,23 +254,21 @@ class Scheduler:
             if control.tokens_left <= 0:
                 continue
             short = control.shortfall(req.num_computed, req.num_uncomputed)
-            freed = 0
-            while freed < short:
+            while any(n > 0 for n in short.values()):
                 victim = self.running[-1]  # newer than req, so not in this step's batch yet
-                freed += pages_for(victim.num_computed, self.page_size)
+                freed = control.held(victim.num_computed)
+                short = {name: n - freed[name] for name, n in short.items()}
                 self._events.append(self._preempt(victim, releases))
                 preempted = True
                 if victim is req:
                     break
         return preempted
 
-    def _grow(self, control: AdmissionControl, req: Request, batch: dict[str, tuple[Chunk, list[int]]]) -> bool:
-        before = list(control.headroom)
+    def _grow(self, control: AdmissionControl, req: Request, batch: dict[str, Chunk]) -> bool:
         n = control.grow(req.num_computed, req.num_uncomputed)
         if n == 0:
             return False
-        taken = [b - a for b, a in zip(before, control.headroom, strict=True)]
-        batch[req.request_id] = (self._chunk(req, n), taken)
+        batch[req.request_id] = self._chunk(req, n)
         return True
 
     def _preempt(self, req: Request, releases: list[str], counted: bool = True) -> Event:
@@ -289,21 +289,16 @@ class Scheduler:
     def _admit_waiting(
         self,
         control: AdmissionControl,
-        batch: dict[str, tuple[Chunk, list[int]]],
+        batch: dict[str, Chunk],
         admits: list[Admit],
         report_step: int,
         flush: bool,
     ) -> None:
         while self.waiting:
             req = self.waiting[0]
-            need = pages_for(req.max_positions, self.page_size)
-            if need > control.largest_request_pages():
-                event = self._finish(
-                    req,
-                    FinishReason.ERROR,
-                    f"request {req.request_id} needs up to {need} KV pages"
-                    f" but the smallest rank pool holds {control.largest_request_pages()}",
-                )
+            too_large = control.too_large(req.max_positions)
+            if too_large:
+                event = self._finish(req, FinishReason.ERROR, f"request {req.request_id} {too_large}")
                 self._events.append(replace(event, retriable=False))
                 continue
             answers: list[ProbeAnswer | None] = []
@@ -315,7 +310,7 @@ class Scheduler:
                 )
                 if ready:
                     answers = self._book.answers(req.request_id, self.ranks)
-                    agreed = agreed_prefix_pages(answers, req.num_tokens, self.page_size)
+                    agreed = agreed_prefix_pages(answers, req.num_tokens, self.page_size, self.window)
             decision = control.consider(req.num_tokens, agreed, answers, ready)
             if not decision.admit:
                 self.stats.deferred[decision.reason] += 1
@@ -328,7 +323,7 @@ class Scheduler:
         agreed: int,
         answers: list[ProbeAnswer | None],
         decision: Decision,
-        batch: dict[str, tuple[Chunk, list[int]]],
+        batch: dict[str, Chunk],
         admits: list[Admit],
     ) -> None:
         self.waiting.popleft()
@@ -346,7 +341,7 @@ class Scheduler:
         req.num_computed = prefix
         self.running.append(req)
         admits.append(Admit(req.request_id, keys))
-        batch[req.request_id] = (self._chunk(req, decision.num_tokens), list(decision.pages))
+        batch[req.request_id] = self._chunk(req, decision.num_tokens)
 
     def _probes(self, step: int) -> list[Probe]:
         """Probe the requests that may be admitted next: the head of the queue, up to the free seats."""
@@ -382,6 +377,9 @@ class Scheduler:
         self._applied = step
         events, self._events = self._events, []
         failed = [r for r in ordered if r.error]
+        if plan.pool_split and self.rebalancer is not None:
+            self.rebalancer.applied(dict(plan.pool_split), not failed, self._now)
+            self.rebalances += not failed
         if failed:
             self._apply_failure(plan, ordered, failed, events)
         else:
@@ -439,6 +437,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.finish(reason, error)
+        if self.rebalancer is not None and reason is not FinishReason.ERROR:
+            self.rebalancer.sample(len(req.prompt_token_ids) + len(req.generated))
         self.requests.pop(req.request_id, None)
         self._book.forget(req.request_id)
         return Event(req.request_id, FINISHED, finish_reason=reason, error=error)

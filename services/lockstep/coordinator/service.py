@@ -17,9 +17,11 @@ from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.group import GroupDown, GroupRunner
 from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.page_keys import key_salt
+from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
 from lockstep.steps import RankInfo
 from lockstep.tokenizer import Tokenizer
 
@@ -111,6 +113,9 @@ class Coordinator:
                 raise ValueError(f"rank {r} uses page size {info.page_size}, the coordinator {cfg.page_size}")
             if info.model_id != infos[0].model_id:
                 raise ValueError(f"rank {r} serves {info.model_id}, rank 0 {infos[0].model_id}")
+            if info.sliding_window != infos[0].sliding_window or dict(info.pools).keys() != dict(infos[0].pools).keys():
+                raise ValueError(f"rank {r} has pools {dict(info.pools)} (window {info.sliding_window}), rank 0 "
+                                 f"{dict(infos[0].pools)} (window {infos[0].sliding_window})")
         return Scheduler(
             page_size=cfg.page_size,
             salt=key_salt(infos[0].model_id, cfg.page_size),
@@ -119,7 +124,17 @@ class Coordinator:
             ranks=len(infos),
             prefix_caching=cfg.prefix_caching,
             max_model_len=min([self.max_model_len, *(i.max_model_len for i in infos)]),
+            window=infos[0].sliding_window,
+            rebalancer=self._rebalancer(infos),
         )
+
+    def _rebalancer(self, infos: list[RankInfo]) -> Rebalancer | None:
+        """A group of two pools gets its own rebalance decision (groups never agree with each other)."""
+        window, cost = infos[0].sliding_window, dict(infos[0].page_bytes)
+        if not window or set(cost) != {POOL_FULL, POOL_SLIDING}:
+            return None
+        max_len = min([self.max_model_len, *(i.max_model_len for i in infos)])
+        return Rebalancer(self.config.rebalance_policy, self.config.page_size, window, cost, max_len)
 
     def healthy(self) -> bool:
         return any(g.up for g in self.groups.values())

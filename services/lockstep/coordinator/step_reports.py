@@ -49,3 +49,22 @@ class LastPools:
                 return []
             out.append(report)
         return out
+
+
+def plan_reports(step: int, reports: Sequence[Report], last_step: int | None, ranks: int) -> list[Report]:
+    """The reports plan `step` is built from, in rank order; ValueError unless they are every rank's
+    reports of the last planned step `last_step` (none before the first plan) and `step` comes after it."""
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if last_step is not None and step <= last_step:
+        raise ValueError(f"step {step} must come after the last planned step {last_step}")
+    if not reports:
+        if last_step is not None:
+            raise ValueError(f"plan {step} needs the reports of step {last_step}")
+        return []
+    ordered = in_rank_order(reports, ranks)
+    if last_step is not None and ordered[0].step != last_step:
+        raise ValueError(f"plan {step} must be built from the reports of step {last_step}")
+    if ordered[0].step >= step:
+        raise ValueError(f"plan {step} cannot be built from reports of step {ordered[0].step}")
+    return ordered

@@ -1,7 +1,8 @@
 """The page allocator of one KV pool: references, the free list and the LRU of evictable cached pages.
 
 Every page is in exactly one state:
-- free: unreferenced and not indexed; handed out first.
+- free: unreferenced and not indexed; handed out first, lowest page first, so that the top of the pool
+  stays free and a rebalance can take it (`movable`, `resize`).
 - evictable: unreferenced but indexed (a cached prefix page); handed out only after the free list runs
   out, least recently released first, and dropped from the index when it is.
 - used: referenced by at least one live owner (a request); never handed out, never evicted. A used page
@@ -14,7 +15,8 @@ refused call (OutOfPages, PrefixNotHeld, ValueError) leaves the pool exactly as 
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+import heapq
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from lockstep.kv.prefix_index import PrefixIndex
@@ -57,9 +59,10 @@ class PagePool:
             raise ValueError(f"pool name must be a non-empty string, got {name!r}")
         self.name = name
         self.num_pages = _count("num_pages", num_pages)
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages))  # a heap: the lowest free page is handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_pages
+        self._held = bytearray(num_pages)  # 1 where a page is referenced: finds the top held page in C
         self._tables: dict[str, list[int]] = {}
         self._index = PrefixIndex()
         self._pinned = 0
@@ -73,7 +76,33 @@ class PagePool:
             evictable=evictable,
             used=self.num_pages - free - evictable,
             pinned=self._pinned,
+            movable=self.movable(),
         )
+
+    def movable(self) -> int:
+        """Pages at the top of the pool that no owner references: what `resize` may take away now."""
+        return self.num_pages - (self._held.rfind(1) + 1)
+
+    def resize(self, num_pages: int) -> None:
+        """Grow the pool with free pages, or shrink it by its top pages, evicting the cached ones among them.
+
+        Refuses (ValueError, nothing changed) to take a page an owner references: pages never move under a
+        live request.
+        """
+        _count("num_pages", num_pages)
+        if num_pages < self.num_pages - self.movable():
+            raise ValueError(f"pool {self.name!r}: cannot shrink to {num_pages} pages; pages up to "
+                             f"{self.num_pages - self.movable() - 1} are held by live requests")
+        for page in range(num_pages, self.num_pages):
+            if page in self._evictable:
+                del self._evictable[page]
+                self._index.remove(page)
+        self._free = [p for p in self._free if p < num_pages]
+        self._free.extend(range(self.num_pages, num_pages))
+        heapq.heapify(self._free)
+        self._refs = self._refs[:num_pages] + [0] * max(0, num_pages - self.num_pages)
+        self._held = self._held[:num_pages] + bytearray(max(0, num_pages - self.num_pages))
+        self.num_pages = num_pages
 
     def probe(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """(leading pages of the chain held, how many of those a live owner references); changes nothing.
@@ -82,6 +111,23 @@ class PagePool:
         """
         pages = self._index.match(keys)
         return len(pages), sum(1 for p in pages if self._refs[p])
+
+    def holding(self, keys: Sequence[bytes]) -> tuple[tuple[tuple[int, int], ...], int]:
+        """(runs [a, b) of the keys' positions whose pages the index holds, how many of those a live owner
+        references); changes nothing. Unlike `probe`, it looks past a gap: a sliding pool keeps a window's
+        pages after the pages before them are gone."""
+        runs: list[tuple[int, int]] = []
+        pinned = 0
+        for i, key in enumerate(keys):
+            page = self._index.page_of(key)
+            if page is None:
+                continue
+            pinned += self._refs[page] > 0
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return tuple(runs), pinned
 
     def pin(self, owner: str, keys: Sequence[bytes]) -> list[int]:
         """Start `owner` with a reference on the cached pages of the first len(keys) keys, in order.
@@ -101,6 +147,7 @@ class PagePool:
                 del self._evictable[page]
                 self._pinned += 1
             self._refs[page] += 1
+            self._held[page] = 1
         self._tables[owner] = list(pages)
         return list(pages)
 
@@ -117,11 +164,12 @@ class PagePool:
         pages: list[int] = []
         for _ in range(n):
             if self._free:
-                page = self._free.popleft()
+                page = heapq.heappop(self._free)
             else:
                 page, _ = self._evictable.popitem(last=False)
                 self._index.remove(page)
             self._refs[page] = 1
+            self._held[page] = 1
             pages.append(page)
         self._tables.setdefault(owner, []).extend(pages)
         return pages
@@ -153,14 +201,28 @@ class PagePool:
         if table is None:
             return
         for page in reversed(table):
-            self._refs[page] -= 1
-            if self._refs[page]:
-                continue
-            if self._index.key_of(page) is None:
-                self._free.append(page)
-            else:
-                self._evictable[page] = None
-                self._pinned -= 1
+            self._unref(page)
+
+    def _unref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page]:
+            return
+        self._held[page] = 0
+        if self._index.key_of(page) is None:
+            heapq.heappush(self._free, page)
+        else:
+            self._evictable[page] = None
+            self._pinned -= 1
+
+    def drop_front(self, owner: str, n: int) -> None:
+        """Drop `owner`'s references on the first n pages of its table (a window moved past them); those
+        left unreferenced go back as a release leaves them, cached ones as the most recently used."""
+        table = self._table(owner)
+        if _count("n", n) > len(table):
+            raise ValueError(f"pool {self.name!r}: {owner!r} holds {len(table)} pages, cannot drop {n}")
+        dropped, table[:] = table[:n], table[n:]
+        for page in dropped:
+            self._unref(page)
 
     def evict(self, n: int) -> int:
         """Drop up to n unreferenced cached pages from the index, least recently used first; how many."""
@@ -169,7 +231,7 @@ class PagePool:
         for _ in range(evicted):
             page, _ = self._evictable.popitem(last=False)
             self._index.remove(page)
-            self._free.append(page)
+            heapq.heappush(self._free, page)
         return evicted
 
     def flush(self) -> int:
@@ -199,6 +261,8 @@ class PagePool:
                 )
         if any(not 0 <= p < n for p in refs):
             raise AssertionError(f"{self.name}: a table holds a page outside 0..{n - 1}")
+        if any(bool(self._held[p]) != bool(self._refs[p]) for p in range(n)) or len(self._held) != n:
+            raise AssertionError(f"{self.name}: the held flags disagree with the refcounts")
         free, evictable = set(self._free), set(self._evictable)
         used = {p for p in range(n) if self._refs[p]}
         if len(free) != len(self._free):

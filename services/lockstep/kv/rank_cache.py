@@ -13,16 +13,22 @@ and sampling, and a test drives the real bookkeeping with a fake forward:
 
 The flush comes after the step's pins and commits, so it never takes a prefix that the plan's admits were
 agreed on (pinned pages stay indexed), and the probes answer from the flushed state.
+
+A hybrid model keeps one pool per attention kind: `full` holds a request's whole context, `sliding` only
+the pages its window still reads (`kv.paging.first_page`): after each step the pages the window moved past
+go back, cached ones to the evictable set. A prefix of L pages is pinned in `full` as pages 0..L-1 and in
+`sliding` as the pages of the window before position L * page_size; both are held by key.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
 from lockstep.kv.page_keys import next_key
-from lockstep.kv.paging import pages_for
+from lockstep.kv.paging import POOL_FULL, POOL_SLIDING, first_page, pages_for
 from lockstep.steps import Admit, Chunk, Plan, PoolState, ProbeAnswer
 
 log = logging.getLogger("lockstep.kv")
@@ -42,37 +48,51 @@ class _Sequence:
 
     The first `committed` pages are committed (indexed, or kept private where the index already held the
     key), the last of them under the key `parent`; with prefix caching on, `pending` holds the tokens of
-    positions [committed * page_size, length), the page not yet full.
+    positions [committed * page_size, length), the page not yet full. In a sliding pool the table holds
+    pages `first`.. only.
     """
 
     length: int
     committed: int
     parent: bytes | None
     pending: list[int] = field(default_factory=list)
+    first: int = 0  # the chain index of the first page the sliding pool's table holds
 
 
 class RankCache:
-    """One rank's KV pages as plans change them: its pool, its prefix index and what each request holds."""
+    """One rank's KV pages as plans change them: its pools, their prefix indexes and what each request holds."""
 
     def __init__(
         self,
-        pool: PagePool,
+        pools: PagePool | Mapping[str, PagePool],
         page_size: int,
         salt: bytes,
         max_model_len: int,
         prefix_caching: bool = True,
         rank: int = 0,
+        window: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        self.pool = pool
+        self.pools = {pools.name: pools} if isinstance(pools, PagePool) else dict(pools)
+        if not self.pools or set(self.pools) - {POOL_FULL, POOL_SLIDING}:
+            raise ValueError(f"pools must be {POOL_FULL!r} and/or {POOL_SLIDING!r}, got {sorted(self.pools)}")
+        if (POOL_SLIDING in self.pools) != (window > 0):
+            raise ValueError(f"a {POOL_SLIDING!r} pool needs a window and a window needs the pool (window {window})")
         self.page_size = page_size
         self.salt = salt
         self.max_model_len = max_model_len
         self.prefix_caching = prefix_caching
         self.rank = rank
+        self.window = window
         self._seqs: dict[str, _Sequence] = {}
         self._admitted: list[str] = []  # this step's admits that were pinned: undone if the group refuses
+        self._resized: dict[str, int] = {}  # this step's rebalance: each pool's total before it
+
+    @property
+    def pool(self) -> PagePool:
+        """The pool that holds whole contexts (`full`), or the one pool there is."""
+        return self.pools.get(POOL_FULL) or next(iter(self.pools.values()))
 
     def prepare(self, plan: Plan) -> None:
         """Releases, then the pins of the admitted prefixes, then the pages of every chunk.
@@ -87,6 +107,9 @@ class RankCache:
                               "up to the step its peers are in")
         self._release(plan)
         try:
+            if plan.pool_split:
+                self._resize(plan)
+                return
             for admit in plan.admits:
                 self._admit(admit)
             for chunk in plan.batch:
@@ -104,28 +127,44 @@ class RankCache:
         it held. Pages reserved for running requests stay theirs: their chunk comes again.
         """
         for request_id in self._admitted:
-            self.pool.release(request_id)
-            self._seqs.pop(request_id, None)
+            self._drop(request_id)
         self._admitted = []
+        for name, total in self._resized.items():  # nothing was allocated after it: the pages are unheld
+            self.pools[name].resize(total)
+        self._resized = {}
 
-    def table(self, request_id: str) -> list[int]:
-        """The request's pages in position order, covering every position its chunk of this step writes."""
-        return self.pool.table(request_id)
+    def table(self, request_id: str, pool: str = POOL_FULL) -> list[int]:
+        """The request's pages of `pool` in position order (page i holds positions [i * page_size, ...)),
+        covering every position its chunk of this step writes; -1 for pages a window moved past."""
+        seq = self._seqs.get(request_id)
+        first = seq.first if seq is not None and pool == POOL_SLIDING else 0
+        return [-1] * first + self.pools[pool].table(request_id)
 
     def advance(self, chunk: Chunk) -> None:
         """The chunk was computed: hold its positions and commit the pages it filled into the index."""
-        seq = self._seqs[chunk.request_id]
+        rid = chunk.request_id
+        seq = self._seqs[rid]
         seq.length += len(chunk.token_ids)
-        if not self.prefix_caching:
-            return
-        seq.pending.extend(chunk.token_ids)
+        if self.prefix_caching:
+            self._commit(rid, seq, chunk.token_ids)
+        sliding = self.pools.get(POOL_SLIDING)
+        if sliding is not None:
+            first = first_page(seq.length, self.window, self.page_size)
+            if first > seq.first:
+                sliding.drop_front(rid, first - seq.first)
+                seq.first = first
+
+    def _commit(self, rid: str, seq: _Sequence, tokens: tuple[int, ...]) -> None:
+        """Index every page the tokens filled, in every pool, under its chain key."""
+        seq.pending.extend(tokens)
         ps = self.page_size
         if len(seq.pending) < ps:
             return
-        table = self.pool.table(chunk.request_id)
+        tables = {name: self.table(rid, name) for name in self.pools}
         while len(seq.pending) >= ps:
             key = next_key(seq.parent, seq.pending[:ps], self.salt)
-            self.pool.commit(chunk.request_id, table[seq.committed], key)
+            for name, pool in self.pools.items():
+                pool.commit(rid, tables[name][seq.committed], key)
             seq.parent = key
             seq.committed += 1
             del seq.pending[:ps]
@@ -133,42 +172,75 @@ class RankCache:
     def finish(self, plan: Plan) -> tuple[tuple[ProbeAnswer, ...], tuple[PoolState, ...]]:
         """An operator's flush, if the plan asks, then (probe answers, pool counts) for the step's report."""
         self._admitted = []
+        self._resized = {}
         if plan.flush_prefix_cache:
-            self.pool.flush()
+            for pool in self.pools.values():
+                pool.flush()
         return tuple(self.probe(p.request_id, p.keys) for p in plan.probes), self.stats()
 
     def probe(self, request_id: str, keys: tuple[bytes, ...]) -> ProbeAnswer:
-        """How many leading pages of this chain the index holds, and how many of those are pinned."""
+        """Which pages of this chain the pools hold (leading ones in `full`, any in `sliding`), and how many
+        of those are pinned."""
         if not self.prefix_caching:
             return ProbeAnswer(request_id, 0, 0)
-        matched, pinned = self.pool.probe(keys)
-        return ProbeAnswer(request_id, matched, pinned)
+        full = self.pools.get(POOL_FULL)
+        matched, pinned = full.probe(keys) if full is not None else (len(keys), 0)
+        sliding = self.pools.get(POOL_SLIDING)
+        if sliding is None:
+            return ProbeAnswer(request_id, matched, pinned)
+        runs, sliding_pinned = sliding.holding(keys)
+        return ProbeAnswer(request_id, matched, pinned, runs, sliding_pinned)
 
     def stats(self) -> tuple[PoolState, ...]:
         """Every pool's page counts, as the report carries them."""
-        return (self.pool.stats(),)
+        return tuple(pool.stats() for pool in self.pools.values())
 
     def totals(self) -> tuple[tuple[str, int], ...]:
         """(pool name, total pages) of every pool: what the rank tells the coordinator it serves."""
-        return ((self.pool.name, self.pool.num_pages),)
+        return tuple((name, pool.num_pages) for name, pool in self.pools.items())
 
     def check(self) -> None:
-        """Raise AssertionError unless the pool is consistent and every request's pages cover what it holds."""
-        self.pool.check()
-        if set(self._seqs) != set(self.pool.owners()):
-            raise AssertionError(f"requests {sorted(self._seqs)} but pool owners {sorted(self.pool.owners())}")
+        """Raise AssertionError unless every pool is consistent and every request's pages cover what it
+        holds (in a sliding pool: from the first page its window reads)."""
+        for name, pool in self.pools.items():
+            pool.check()
+            if set(self._seqs) != set(pool.owners()):
+                raise AssertionError(f"requests {sorted(self._seqs)} but {name} owners {sorted(pool.owners())}")
         for request_id, seq in self._seqs.items():
-            pages = len(self.pool.table(request_id))
-            if pages < pages_for(seq.length, self.page_size) or seq.committed > pages:
-                raise AssertionError(
-                    f"{request_id}: {pages} pages for {seq.length} positions, {seq.committed} of them committed"
-                )
+            for name in self.pools:
+                pages = len(self.table(request_id, name))
+                if pages < pages_for(seq.length, self.page_size) or seq.committed > pages:
+                    raise AssertionError(f"{request_id}: {pages} {name} pages for {seq.length} positions, "
+                                         f"{seq.committed} of them committed")
+            if POOL_SLIDING in self.pools and seq.first != first_page(seq.length, self.window, self.page_size):
+                raise AssertionError(f"{request_id}: holds sliding pages from {seq.first} at length {seq.length}")
+
+    def _resize(self, plan: Plan) -> None:
+        """A rebalance: every pool to its new total, all or none, in a plan that carries nothing else (so a
+        group that refuses it undoes it whole). A pool shrinks only by pages no live request holds."""
+        split = dict(plan.pool_split)
+        if plan.admits or plan.batch or plan.probes:
+            raise StepRefused(f"step {plan.step} carries a rebalance and work; a rebalance step carries no work")
+        if split.keys() != self.pools.keys():
+            raise StepRefused(f"the rebalance names pools {sorted(split)}; this rank has {sorted(self.pools)}")
+        for name, total in split.items():
+            pool = self.pools[name]
+            if type(total) is not int or total < pool.num_pages - pool.movable() or total < 1:
+                raise StepRefused(f"pool {name!r} cannot take {total!r} pages: pages up to "
+                                  f"{pool.num_pages - pool.movable() - 1} are held by live requests")
+        for name, total in split.items():
+            self._resized[name] = self.pools[name].num_pages
+            self.pools[name].resize(total)
+
+    def _drop(self, request_id: str) -> None:
+        for pool in self.pools.values():
+            pool.release(request_id)
+        self._seqs.pop(request_id, None)
 
     def _release(self, plan: Plan) -> None:
         releases = [*self.pool.owners(), *self._seqs] if plan.release_all else plan.releases
         for request_id in releases:
-            self.pool.release(request_id)
-            self._seqs.pop(request_id, None)
+            self._drop(request_id)
 
     def _admit(self, admit: Admit) -> None:
         request_id, keys = admit.request_id, admit.prefix_keys
@@ -176,10 +248,13 @@ class RankCache:
             raise StepRefused(f"request {request_id} is admitted twice")
         if keys and not self.prefix_caching:
             raise StepRefused(f"request {request_id}: prefix caching is off on rank {self.rank}")
-        self.pool.pin(request_id, keys)
+        length = len(keys) * self.page_size
+        first = first_page(length, self.window, self.page_size) if POOL_SLIDING in self.pools else 0
         self._admitted.append(request_id)
+        for name, pool in self.pools.items():
+            pool.pin(request_id, keys[first:] if name == POOL_SLIDING else keys)
         self._seqs[request_id] = _Sequence(
-            length=len(keys) * self.page_size, committed=len(keys), parent=keys[-1] if keys else None
+            length=length, committed=len(keys), parent=keys[-1] if keys else None, first=first
         )
 
     def _reserve(self, chunk: Chunk) -> None:
@@ -195,6 +270,7 @@ class RankCache:
         end = chunk.start + len(chunk.token_ids)
         if end > self.max_model_len:
             raise StepRefused(f"request {chunk.request_id}: position {end} is past the model's context")
-        need = pages_for(end, self.page_size) - len(self.pool.table(chunk.request_id))
-        if need > 0:
-            self.pool.allocate(chunk.request_id, need)
+        for name, pool in self.pools.items():
+            need = pages_for(end, self.page_size) - len(self.table(chunk.request_id, name))
+            if need > 0:
+                pool.allocate(chunk.request_id, need)

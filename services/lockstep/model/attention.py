@@ -7,13 +7,13 @@ each sequence's keys in the page pool; `paged_attention` is the one seam a GPU k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from lockstep.kv.paging import pages_for
+from lockstep.kv.paging import first_page, pages_for
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,12 @@ class AttentionBatch:
         spans: Sequence[tuple[int, int, Sequence[int]]],
         page_size: int,
         device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> AttentionBatch:
-        """spans: (start, n, page table covering positions [0, start + n)) per sequence, in batch order."""
+        """spans: (start, n, page table covering positions [0, start + n)) per sequence, in batch order.
+
+        With a `window` (a sliding pool's batch), pages before the first one the window reads may be -1.
+        """
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if not spans:
@@ -59,7 +63,7 @@ class AttentionBatch:
         offsets = [0]
         starts, lens, tables, singles = [], [], [], []
         for i, (start, n, table) in enumerate(spans):
-            table = _span_table(i, start, n, table, page_size)
+            table = _span_table(i, start, n, table, page_size, first_page(start, window, page_size))
             if n == 1:
                 singles.append(i)
                 positions.append(start)
@@ -120,9 +124,9 @@ class AttentionBatch:
         return groups
 
 
-def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int) -> tuple[int, ...]:
-    """Sequence i's pages covering positions [0, start + n), checked: a bad table must fail here, not index
-    another sequence's k/v."""
+def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int, first: int) -> tuple[int, ...]:
+    """Sequence i's pages covering positions [0, start + n), checked from page `first` on (the first its
+    window reads): a bad table must fail here, not index another sequence's k/v."""
     if start < 0 or n < 1:
         raise ValueError(f"sequence {i}: start must be >= 0 and n >= 1, got start={start} n={n}")
     needed = pages_for(start + n, page_size)
@@ -131,8 +135,8 @@ def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int
         raise ValueError(
             f"sequence {i}: page table has {len(table)} pages but positions [0, {start + n}) "
             f"need {needed} of {page_size} tokens")
-    if any(p < 0 for p in table[:needed]):
-        raise ValueError(f"sequence {i}: negative page id in its page table {table[:needed]}")
+    if any(p < 0 for p in table[first:needed]):
+        raise ValueError(f"sequence {i}: negative page id in its page table {table[first:needed]}")
     return table[:needed]
 
 
@@ -199,6 +203,19 @@ class _SingleGather:
         hi = max(e - f * ps for e, f in zip(ends, firsts, strict=True))
         mask = ((pos >= lo_t) & (pos < end_t))[:, :hi]
         return cls(rows=rows, pages=pages, mask=mask.view(len(seqs), 1, 1, hi), keep=slice(0, hi))
+
+
+PoolBatches = AttentionBatch | Mapping[str, AttentionBatch]
+
+
+def batch_of(batches: PoolBatches, pool: str) -> AttentionBatch:
+    """The batch whose page tables index `pool` (one AttentionBatch given: every pool shares it)."""
+    if isinstance(batches, AttentionBatch):
+        return batches
+    batch = batches.get(pool)
+    if batch is None:
+        raise ValueError(f"no attention batch for KV pool {pool!r}; batches are for {sorted(batches)}")
+    return batch
 
 
 def write_kv(

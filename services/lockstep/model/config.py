@@ -2,6 +2,8 @@
 
 Llama, Qwen2 and Mistral checkpoints differ only in a few switches (q/k/v bias, tied embeddings,
 sliding-window layers, RoPE scaling); reading them here keeps the model code free of per-family cases.
+Gemma 3 adds a few more (GeGLU, its attention scale, a RoPE base per attention kind, logit soft-capping),
+read by `_gemma3` with transformers' defaults for the keys a config.json leaves out.
 """
 
 from __future__ import annotations
@@ -12,10 +14,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GEMMA3, GEMMA3_MULTIMODAL = "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", GEMMA3, GEMMA3_MULTIMODAL)
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                "gemma3_text": GEMMA3, "gemma3": GEMMA3_MULTIMODAL}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Gemma3TextConfig's defaults: transformers fills them in for keys a config.json leaves out (a multimodal
+# Gemma 3's text_config names only what differs from them, e.g. not even head_dim or the RoPE bases).
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+POOL_FULL, POOL_SLIDING = "full", "sliding"
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +65,11 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set (Gemma)
+    sliding_rope_theta: float | None = None  # RoPE of sliding layers when it differs from full layers' (Gemma 3)
+    sliding_rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     max_position_embeddings: int = 2048
@@ -78,14 +98,50 @@ class ModelConfig:
                 "layer_types names sliding_attention layers but sliding_window is not set")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{self.architecture} with activation {self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UnsupportedModelError(f"{name} must be positive, got {value}")
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax: Gemma's query_pre_attn_scalar ** -0.5, else head_dim's."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_of(self, layer: int) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of `layer`'s RoPE: Gemma 3 rotates sliding layers with a base of their own."""
+        if self.layer_types[layer] == "sliding_attention" and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling or RopeScaling()
+        return self.rope_theta, self.rope_scaling
 
     def window(self, layer: int) -> int | None:
         """The attention window of `layer` in tokens (the query's own position included), None for full."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def pool_of(self, layer: int) -> str:
+        """The KV pool whose pages hold `layer`'s keys: named after its attention kind (DESIGN.md)."""
+        return POOL_SLIDING if self.window(layer) is not None else POOL_FULL
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools this model's layers need, `full` first (a model whose every layer slides, such as
+        Mistral with a window, has only `sliding`: its pool holds only windows)."""
+        kinds = {self.pool_of(i) for i in range(self.num_layers)}
+        return tuple(p for p in (POOL_FULL, POOL_SLIDING) if p in kinds)
+
+    def layers_of(self, pool: str) -> int:
+        """How many layers keep their KV in `pool`."""
+        return sum(1 for i in range(self.num_layers) if self.pool_of(i) == pool)
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         arch = _architecture(d)
+        if arch in (GEMMA3, GEMMA3_MULTIMODAL):
+            return _gemma3(d, arch)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported; only 'silu' is")
@@ -123,8 +179,6 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = mlp_bias = False
 
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -144,9 +198,7 @@ class ModelConfig:
             sliding_window=window,
             layer_types=tuple(layer_types),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name_or_path=str(d.get("_name_or_path") or ""),
+            **_ids(d),
         )
 
     @classmethod
@@ -180,6 +232,82 @@ def _architecture(d: dict[str, Any]) -> str:
     return arch
 
 
+def _gemma3(d: dict[str, Any], arch: str) -> ModelConfig:
+    """Gemma 3's text decoder, from a `gemma3_text` config or the `text_config` of a multimodal `gemma3` one."""
+    if arch == GEMMA3_MULTIMODAL:
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedModelError(f"{arch} config.json has no text_config")
+        top = {k: d[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "_name_or_path") if k in d}
+        d = {**top, **text}
+    d = {**GEMMA3_DEFAULTS, **d}
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention (an embedding model) is not supported")
+    if d.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            f"attn_logit_softcapping={d['attn_logit_softcapping']} is not supported: paged attention has no "
+            "soft-capping of scores (Gemma 3 checkpoints have none)")
+    layers = _int(d, "num_hidden_layers")
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        pattern = int(d.get("sliding_window_pattern") or 6)  # as transformers 5: `_sliding_window_pattern` is not read
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    window = d.get("sliding_window") if "sliding_attention" in layer_types else None
+    full_theta, full_scaling, sliding_theta, sliding_scaling = _gemma3_rope(d, arch)
+    heads = _int(d, "num_attention_heads")
+    bias = bool(d.get("attention_bias", False))
+    softcap = d.get("final_logit_softcapping")
+    return ModelConfig(
+        architecture=GEMMA3,
+        hidden_size=_int(d, "hidden_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=_int(d, "head_dim"),
+        intermediate_size=_int(d, "intermediate_size"),
+        vocab_size=_int(d, "vocab_size"),
+        rms_norm_eps=float(d["rms_norm_eps"]),
+        rope_theta=full_theta,
+        rope_scaling=full_scaling,
+        qkv_bias=bias,
+        o_bias=bias,
+        tie_word_embeddings=bool(d["tie_word_embeddings"]),
+        hidden_act=str(d["hidden_activation"]),
+        query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        sliding_rope_theta=sliding_theta,
+        sliding_rope_scaling=sliding_scaling,
+        sliding_window=window,
+        layer_types=tuple(layer_types),
+        max_position_embeddings=int(d["max_position_embeddings"]),
+        **_ids(d),
+    )
+
+
+def _gemma3_rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling, float, RopeScaling]:
+    """(theta, scaling) of full, then of sliding layers, as transformers 5 reads them: `rope_parameters` keyed
+    by layer kind, or the older `rope_theta` (+ `rope_scaling`, full layers only) and `rope_local_base_freq`."""
+    params = d.get("rope_parameters") or {}
+    if not isinstance(params, dict) or not set(params) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(
+            f"{arch} rope_parameters must be keyed by layer kind ({', '.join(LAYER_TYPES)}), got {params!r}")
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    full.update(d.get("rope_scaling") or {})
+    full.setdefault("rope_theta", d.get("rope_theta") or GEMMA3_DEFAULTS["rope_theta"])
+    sliding = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", d.get("rope_local_base_freq") or GEMMA3_DEFAULTS["rope_local_base_freq"])
+    return (float(full["rope_theta"]), _scaling(full, arch),
+            float(sliding["rope_theta"]), _scaling(sliding, arch))
+
+
+def _ids(d: dict[str, Any]) -> dict[str, Any]:
+    """bos, eos ids and the checkpoint's name: the ModelConfig fields every family reads the same way."""
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(map(int, eos)) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return {"bos_token_id": d.get("bos_token_id"), "eos_token_ids": eos_ids,
+            "name_or_path": str(d.get("_name_or_path") or "")}
+
+
 def _int(d: dict[str, Any], key: str) -> int:
     if key not in d:
         raise UnsupportedModelError(f"config.json has no {key!r}")
@@ -191,7 +319,11 @@ def _rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling]:
     params = dict(d.get("rope_parameters") or {})
     legacy = dict(d.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    merged = {**legacy, **params}
+    return theta, _scaling({**legacy, **params}, arch)
+
+
+def _scaling(merged: dict[str, Any], arch: str) -> RopeScaling:
+    """The scaling of one RoPE parameter dict (transformers' `rope_parameters` or a legacy `rope_scaling`)."""
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -200,16 +332,16 @@ def _rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling]:
     if merged.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
-        return theta, RopeScaling()
+        return RopeScaling()
     factor = float(merged.get("factor", 1.0))
     if not math.isfinite(factor) or factor <= 0:
         raise UnsupportedModelError(f"rope scaling factor must be positive, got {factor}")
     if rope_type == "linear":
-        return theta, RopeScaling("linear", factor)
+        return RopeScaling("linear", factor)
     for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if key not in merged:
             raise UnsupportedModelError(f"llama3 rope scaling needs {key!r}")
-    return theta, RopeScaling(
+    return RopeScaling(
         "llama3",
         factor,
         float(merged["low_freq_factor"]),

@@ -7,8 +7,9 @@ rows or columns of that tensor the shard is, so the loader can read exactly thos
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,25 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's norm, x / rms(x) * (1 + weight), all in fp32 and cast back last (transformers' Gemma3RMSNorm):
+    checkpoints store the weight as an offset from 1, so a zero weight is the identity."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gate's activation by its transformers name: SwiGLU's silu, or GeGLU's tanh-approximated gelu."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return partial(F.gelu, approximate="tanh")
+    raise ValueError(f"activation {name!r} is not supported")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

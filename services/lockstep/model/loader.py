@@ -1,22 +1,24 @@
 """Load this rank's shard of a Hugging Face checkpoint, reading only the slices it holds.
 
 A 70B checkpoint is far larger than one rank's memory; `safe_open(...).get_slice` reads just the rows
-or columns a rank keeps, so loading costs each rank its own shard and no more.
+or columns a rank keeps, so loading costs each rank its own shard and no more. Tensors are named as
+transformers names them; the model class is chosen by the config's architecture.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from lockstep.model.config import ModelConfig
-from lockstep.model.layers import ColumnParallelLinear, RowParallelLinear
+from lockstep.model.config import GEMMA3, ModelConfig
+from lockstep.model.gemma3 import Gemma3Model
+from lockstep.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from lockstep.model.llama import LlamaModel
 from lockstep.parallel.comm import Comm
 
@@ -63,9 +65,10 @@ def plan_reads(model: LlamaModel) -> list[Read]:
     reads = [Read("model.embed_tokens.weight", *vocab_rows)]
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        reads.append(Read(f"{p}.input_layernorm.weight", (cfg.hidden_size,), layer.input_layernorm.weight))
-        reads.append(Read(f"{p}.post_attention_layernorm.weight", (cfg.hidden_size,),
-                          layer.post_attention_layernorm.weight))
+        # Every norm of a layer (Gemma 3 has six, q/k norms included) sits where transformers names it.
+        for name, norm in layer.named_modules():
+            if isinstance(norm, RMSNorm):
+                reads.append(Read(f"{p}.{name}.weight", tuple(norm.weight.shape), norm.weight))
         reads += _column(f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], layer.self_attn.qkv_proj)
         reads += _row(f"{p}.self_attn.o_proj", layer.self_attn.o_proj)
         reads += _column(f"{p}.mlp", ["gate_proj", "up_proj"], layer.mlp.gate_up_proj)
@@ -97,6 +100,26 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return where
 
 
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {GEMMA3: Gemma3Model}
+
+# Where a checkpoint keeps the text decoder and its LM head: a multimodal Gemma 3 nests them under its
+# language model (transformers 5, then 4.x names).
+_TEXT_PREFIXES = (("model.", "lm_head."), ("model.language_model.", "lm_head."),
+                  ("language_model.model.", "language_model.lm_head."))
+
+
+def _checkpoint_names(where: dict[str, Path]) -> Callable[[str], str]:
+    """Maps the names plan_reads uses (`model.*`, `lm_head.*`) to the names this checkpoint uses."""
+    body, head = next(((b, h) for b, h in _TEXT_PREFIXES if f"{b}embed_tokens.weight" in where), _TEXT_PREFIXES[0])
+
+    def rename(name: str) -> str:
+        if name.startswith("model."):
+            return body + name.removeprefix("model.")
+        return head + name.removeprefix("lm_head.")
+
+    return rename
+
+
 def load_model(
     path: str | Path, comm: Comm, device: torch.device | str, dtype: torch.dtype = torch.float32
 ) -> LlamaModel:
@@ -104,12 +127,14 @@ def load_model(
     path = Path(path)
     config = ModelConfig.from_dir(path)
     with torch.device(device):
-        model = LlamaModel(config, comm)
+        model = MODEL_CLASSES.get(config.architecture, LlamaModel)(config, comm)
     model.to(dtype=dtype)
     where = _tensor_files(path)
+    rename = _checkpoint_names(where)
     with ExitStack() as stack:
         opened: dict[Path, object] = {}
-        for r in plan_reads(model):
+        for read in plan_reads(model):
+            r = replace(read, name=rename(read.name))
             file = where.get(r.name)
             if file is None:
                 raise CheckpointError(

@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lockstep/v1/rank.proto\x12\x0blockstep.v1\"b\n\x11SamplingParamsMsg\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x03\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"3\n\x08\x41\x64mitMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\"\x98\x01\n\x08\x43hunkMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x14\n\x0csample_index\x18\x06 \x01(\x03\",\n\x08ProbeMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\xdf\x01\n\x07PlanMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08releases\x18\x02 \x03(\t\x12%\n\x06\x61\x64mits\x18\x03 \x03(\x0b\x32\x15.lockstep.v1.AdmitMsg\x12$\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x15.lockstep.v1.ChunkMsg\x12%\n\x06probes\x18\x05 \x03(\x0b\x32\x15.lockstep.v1.ProbeMsg\x12\x1a\n\x12\x66lush_prefix_cache\x18\x06 \x01(\x08\x12\x13\n\x0brelease_all\x18\x07 \x01(\x08\x12\x0f\n\x07\x61\x62stain\x18\x08 \x01(\x08\"Q\n\x0eProbeAnswerMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rmatched_pages\x18\x02 \x01(\x03\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\x03\"j\n\x0cPoolStateMsg\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x0c\n\x04used\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x03\"2\n\nSampledMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\"\x9d\x02\n\tReportMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.lockstep.v1.SampledMsg\x12+\n\x06probes\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.ProbeAnswerMsg\x12(\n\x05pools\x18\x05 \x03(\x0b\x32\x19.lockstep.v1.PoolStateMsg\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x34\n\x07timings\x18\x07 \x03(\x0b\x32#.lockstep.v1.ReportMsg.TimingsEntry\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\xfe\x01\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12:\n\x0bpool_totals\x18\x05 \x03(\x0b\x32%.lockstep.v1.RankInfo.PoolTotalsEntry\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x11\n\tlast_step\x18\x08 \x01(\x03\x1a\x31\n\x0fPoolTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x80\x01\n\x0bRankService\x12\x38\n\x04Step\x12\x14.lockstep.v1.PlanMsg\x1a\x16.lockstep.v1.ReportMsg(\x01\x30\x01\x12\x37\n\x04Info\x12\x18.lockstep.v1.InfoRequest\x1a\x15.lockstep.v1.RankInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lockstep/v1/rank.proto\x12\x0blockstep.v1\"b\n\x11SamplingParamsMsg\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x03\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"3\n\x08\x41\x64mitMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\"\x98\x01\n\x08\x43hunkMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x14\n\x0csample_index\x18\x06 \x01(\x03\",\n\x08ProbeMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\xca\x02\n\x07PlanMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08releases\x18\x02 \x03(\t\x12%\n\x06\x61\x64mits\x18\x03 \x03(\x0b\x32\x15.lockstep.v1.AdmitMsg\x12$\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x15.lockstep.v1.ChunkMsg\x12%\n\x06probes\x18\x05 \x03(\x0b\x32\x15.lockstep.v1.ProbeMsg\x12\x1a\n\x12\x66lush_prefix_cache\x18\x06 \x01(\x08\x12\x13\n\x0brelease_all\x18\x07 \x01(\x08\x12\x0f\n\x07\x61\x62stain\x18\x08 \x01(\x08\x12\x37\n\npool_split\x18\t \x03(\x0b\x32#.lockstep.v1.PlanMsg.PoolSplitEntry\x1a\x30\n\x0ePoolSplitEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x7f\n\x0eProbeAnswerMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rmatched_pages\x18\x02 \x01(\x03\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\x03\x12\x14\n\x0csliding_runs\x18\x04 \x03(\x03\x12\x16\n\x0esliding_pinned\x18\x05 \x01(\x03\"{\n\x0cPoolStateMsg\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x0c\n\x04used\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x03\x12\x0f\n\x07movable\x18\x07 \x01(\x03\"2\n\nSampledMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\"\x9d\x02\n\tReportMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.lockstep.v1.SampledMsg\x12+\n\x06probes\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.ProbeAnswerMsg\x12(\n\x05pools\x18\x05 \x03(\x0b\x32\x19.lockstep.v1.PoolStateMsg\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x34\n\x07timings\x18\x07 \x03(\x0b\x32#.lockstep.v1.ReportMsg.TimingsEntry\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\x8f\x03\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12:\n\x0bpool_totals\x18\x05 \x03(\x0b\x32%.lockstep.v1.RankInfo.PoolTotalsEntry\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x11\n\tlast_step\x18\x08 \x01(\x03\x12\x16\n\x0esliding_window\x18\t \x01(\x03\x12\x41\n\x0fpool_page_bytes\x18\n \x03(\x0b\x32(.lockstep.v1.RankInfo.PoolPageBytesEntry\x1a\x31\n\x0fPoolTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12PoolPageBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x80\x01\n\x0bRankService\x12\x38\n\x04Step\x12\x14.lockstep.v1.PlanMsg\x1a\x16.lockstep.v1.ReportMsg(\x01\x30\x01\x12\x37\n\x04Info\x12\x18.lockstep.v1.InfoRequest\x1a\x15.lockstep.v1.RankInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lockstep.v1.rank_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PLANMSG_POOLSPLITENTRY']._loaded_options = None
+  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_options = b'8\001'
   _globals['_REPORTMSG_TIMINGSENTRY']._loaded_options = None
   _globals['_REPORTMSG_TIMINGSENTRY']._serialized_options = b'8\001'
   _globals['_RANKINFO_POOLTOTALSENTRY']._loaded_options = None
   _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_options = b'8\001'
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._loaded_options = None
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMSMSG']._serialized_start=39
   _globals['_SAMPLINGPARAMSMSG']._serialized_end=137
   _globals['_ADMITMSG']._serialized_start=139
@@ -44,23 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROBEMSG']._serialized_start=347
   _globals['_PROBEMSG']._serialized_end=391
   _globals['_PLANMSG']._serialized_start=394
-  _globals['_PLANMSG']._serialized_end=617
-  _globals['_PROBEANSWERMSG']._serialized_start=619
-  _globals['_PROBEANSWERMSG']._serialized_end=700
-  _globals['_POOLSTATEMSG']._serialized_start=702
-  _globals['_POOLSTATEMSG']._serialized_end=808
-  _globals['_SAMPLEDMSG']._serialized_start=810
-  _globals['_SAMPLEDMSG']._serialized_end=860
-  _globals['_REPORTMSG']._serialized_start=863
-  _globals['_REPORTMSG']._serialized_end=1148
-  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_start=1102
-  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_end=1148
-  _globals['_INFOREQUEST']._serialized_start=1150
-  _globals['_INFOREQUEST']._serialized_end=1163
-  _globals['_RANKINFO']._serialized_start=1166
-  _globals['_RANKINFO']._serialized_end=1420
-  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_start=1371
-  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_end=1420
-  _globals['_RANKSERVICE']._serialized_start=1423
-  _globals['_RANKSERVICE']._serialized_end=1551
+  _globals['_PLANMSG']._serialized_end=724
+  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_start=676
+  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_end=724
+  _globals['_PROBEANSWERMSG']._serialized_start=726
+  _globals['_PROBEANSWERMSG']._serialized_end=853
+  _globals['_POOLSTATEMSG']._serialized_start=855
+  _globals['_POOLSTATEMSG']._serialized_end=978
+  _globals['_SAMPLEDMSG']._serialized_start=980
+  _globals['_SAMPLEDMSG']._serialized_end=1030
+  _globals['_REPORTMSG']._serialized_start=1033
+  _globals['_REPORTMSG']._serialized_end=1318
+  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_start=1272
+  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_end=1318
+  _globals['_INFOREQUEST']._serialized_start=1320
+  _globals['_INFOREQUEST']._serialized_end=1333
+  _globals['_RANKINFO']._serialized_start=1336
+  _globals['_RANKINFO']._serialized_end=1735
+  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_start=1632
+  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_end=1681
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_start=1683
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_end=1735
+  _globals['_RANKSERVICE']._serialized_start=1738
+  _globals['_RANKSERVICE']._serialized_end=1866
 # @@protoc_insertion_point(module_scope)

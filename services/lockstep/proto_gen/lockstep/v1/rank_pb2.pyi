@@ -51,7 +51,14 @@ class ProbeMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
-    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain")
+    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain", "pool_split")
+    class PoolSplitEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,7 @@ class PlanMsg(_message.Message):
     FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ALL_FIELD_NUMBER: _ClassVar[int]
     ABSTAIN_FIELD_NUMBER: _ClassVar[int]
+    POOL_SPLIT_FIELD_NUMBER: _ClassVar[int]
     step: int
     releases: _containers.RepeatedScalarFieldContainer[str]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
@@ -68,33 +76,40 @@ class PlanMsg(_message.Message):
     flush_prefix_cache: bool
     release_all: bool
     abstain: bool
-    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ...) -> None: ...
+    pool_split: _containers.ScalarMap[str, int]
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProbeAnswerMsg(_message.Message):
-    __slots__ = ("request_id", "matched_pages", "pinned_pages")
+    __slots__ = ("request_id", "matched_pages", "pinned_pages", "sliding_runs", "sliding_pinned")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_RUNS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_PINNED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     matched_pages: int
     pinned_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+    sliding_runs: _containers.RepeatedScalarFieldContainer[int]
+    sliding_pinned: int
+    def __init__(self, request_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., sliding_runs: _Optional[_Iterable[int]] = ..., sliding_pinned: _Optional[int] = ...) -> None: ...
 
 class PoolStateMsg(_message.Message):
-    __slots__ = ("pool", "total", "free", "evictable", "used", "pinned")
+    __slots__ = ("pool", "total", "free", "evictable", "used", "pinned", "movable")
     POOL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    MOVABLE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     total: int
     free: int
     evictable: int
     used: int
     pinned: int
-    def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+    movable: int
+    def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ..., movable: _Optional[int] = ...) -> None: ...
 
 class SampledMsg(_message.Message):
     __slots__ = ("request_id", "token_id")
@@ -134,8 +149,15 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "model_id", "page_size", "pool_totals", "max_model_len", "vocab_size", "last_step")
+    __slots__ = ("rank", "world_size", "model_id", "page_size", "pool_totals", "max_model_len", "vocab_size", "last_step", "sliding_window", "pool_page_bytes")
     class PoolTotalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PoolPageBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +172,8 @@ class RankInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model_id: str
@@ -158,4 +182,6 @@ class RankInfo(_message.Message):
     max_model_len: int
     vocab_size: int
     last_step: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_id: _Optional[str] = ..., page_size: _Optional[int] = ..., pool_totals: _Optional[_Mapping[str, int]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    pool_page_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_id: _Optional[str] = ..., page_size: _Optional[int] = ..., pool_totals: _Optional[_Mapping[str, int]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., last_step: _Optional[int] = ..., sliding_window: _Optional[int] = ..., pool_page_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...

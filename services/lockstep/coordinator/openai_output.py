@@ -1,0 +1,173 @@
+"""The response side of the HTTP API: a queued request's choices rendered as OpenAI (and vLLM) responses.
+
+A request's n choices are queued together (choices.py); a non-streaming client gets them all in one body,
+a streaming one gets server-sent events, each chunk one piece of one choice with its `index`. Usage counts
+the prompt once and the completion tokens of every choice. A client that hangs up has every choice aborted,
+which releases its pages on every rank at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from lockstep.coordinator.choices import collect_choices, interleave, open_choices
+from lockstep.coordinator.generation import ApiError, Completion, Frontend, GenerateSpec, TextPiece, json_field
+from lockstep.coordinator.openai_fields import stream_options
+
+log = logging.getLogger("lockstep.api")
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.2  # how soon a client that hung up has its request aborted
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How the answer is rendered: chat or completion, with token ids or not, the echoed prompt text."""
+
+    chat: bool
+    token_ids: bool = False
+    echo: str = ""  # completions' echo: the prompt's text, put before each choice's text
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+async def unless_gone(request: web.Request, work: Awaitable[T]) -> T:
+    """Run `work` until it ends or the client hangs up. A client that hangs up has `work` cancelled, which
+    closes its request's events: the request aborts and frees its pages and its batch seat at once. (aiohttp
+    cancels a handler on disconnect only when its runner is made with handler_cancellation; this does not
+    depend on it.)"""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def internal_error(request: web.Request, exc: Exception) -> ApiError:
+    """Our own bug, logged with its traceback; the client learns only that it happened."""
+    log.error("internal error serving %s %s", request.method, request.path, exc_info=exc)
+    return ApiError(500, "internal error; the coordinator logged it", err_type="server_error")
+
+
+async def respond(request: web.Request, frontend: Frontend, body: dict, spec: GenerateSpec, shape: Shape
+                  ) -> web.StreamResponse:
+    """Queue the request's n choices (a refusal is an HTTP status, before any output) and answer with them."""
+    stream = json_field(body, "stream", (bool,), False)
+    include_usage = stream_options(body)
+    rid = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
+    base = {"id": rid, "created": int(time.time()), "model": frontend.model_name}
+    choices = await open_choices(frontend, rid, spec)
+    try:
+        if not stream:
+            done = await unless_gone(request, collect_choices(choices.streams))
+            return web.json_response(whole(base, spec, done, shape))
+        return await _event_stream(request, base, spec, choices.streams, shape, include_usage)
+    finally:
+        await choices.aclose()  # a no-op once every choice ended; else (a client gone) each is aborted
+
+
+def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Shape) -> dict:
+    """The body of a non-streaming answer."""
+    choices = []
+    for i, one in enumerate(done):
+        choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "logprobs": None}
+        if shape.chat:
+            choice["message"] = {"role": "assistant", "content": one.text}
+        else:
+            choice["text"] = shape.echo + one.text
+        if shape.token_ids:
+            choice["token_ids"] = one.token_ids
+        choices.append(choice)
+    completion = sum(len(one.token_ids) for one in done)
+    out = {**base, "object": shape.kind, "choices": choices, "usage": usage(spec, completion, done[0].cached_tokens)}
+    if shape.token_ids:
+        out["prompt_token_ids"] = spec.prompt_ids
+    return out
+
+
+async def _event_stream(request: web.Request, base: dict, spec: GenerateSpec,
+                        streams: Sequence[AsyncGenerator[TextPiece, None]], shape: Shape,
+                        include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        n_out, cached = await unless_gone(request, _write_chunks(resp, base, spec, streams, shape))
+    except (ConnectionResetError, ClientGone):
+        log.info("client of %s went away; its request is aborted", base["id"])
+        return resp
+    except Exception as exc:  # after the 200 went out, an error can only be an event of the stream
+        err = exc if isinstance(exc, ApiError) else internal_error(request, exc)
+        await resp.write(f"data: {json.dumps(err.body())}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    if include_usage:
+        chunk = {**base, "object": shape.kind + ".chunk" if shape.chat else shape.kind, "choices": [],
+                 "usage": usage(spec, n_out, cached)}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _write_chunks(resp: web.StreamResponse, base: dict, spec: GenerateSpec,
+                        streams: Sequence[AsyncGenerator[TextPiece, None]], shape: Shape) -> tuple[int, int]:
+    """One server-sent event per text piece of any choice; returns the tokens sent (all choices) and the cached
+    prompt tokens (of choice 0, as for n=1)."""
+    kind = shape.kind + ".chunk" if shape.chat else shape.kind
+    started = [False] * len(streams)
+    n_out, cached = 0, [0] * len(streams)
+    async with aclosing(interleave(streams)) as pieces:
+        async for i, piece in pieces:
+            n_out += len(piece.token_ids)
+            cached[i] = piece.cached_tokens
+            choice = _stream_choice(i, piece, shape, not started[i])
+            chunk = {**base, "object": kind, "choices": [choice]}
+            if shape.token_ids and not any(started):
+                chunk["prompt_token_ids"] = spec.prompt_ids
+            started[i] = True
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    return n_out, cached[0]
+
+
+def _stream_choice(index: int, piece: TextPiece, shape: Shape, first: bool) -> dict[str, Any]:
+    if shape.chat:
+        delta: dict[str, Any] = {"content": piece.text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": index, "delta": delta, "finish_reason": piece.finish_reason, "logprobs": None}
+    else:
+        text = shape.echo + piece.text if first else piece.text
+        choice = {"index": index, "text": text, "finish_reason": piece.finish_reason, "logprobs": None}
+    if shape.token_ids:
+        choice["token_ids"] = piece.token_ids
+    return choice
+
+
+def usage(spec: GenerateSpec, completion: int, cached: int) -> dict:
+    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
+    prompt = len(spec.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,142 @@
+"""The rebalance decision: when a group moves the split of its KV budget between the `full` and `sliding`
+pools, and to which exact split. Pure: the coordinator's clock and the ranks' reports come in as values.
+
+Seed 001 is the catalogue this avoids: a trigger counted by a private counter that a skipped step offsets,
+a cooldown read from each rank's own clock, an agreement skipped on one dimension. Here the decision is
+made once per group, by the coordinator, from every rank's report: checked at plan steps that are a
+multiple of the interval (the step index, never a counter), after the cooldown on the coordinator's own
+clock, once enough finished requests were sampled; sent in a plan that carries nothing else, so a rank
+that cannot take it refuses and every rank undoes it together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lockstep.kv.paging import POOL_FULL, POOL_SLIDING, pages_for, peak_pages
+from lockstep.steps import Report
+
+Split = dict[str, int]
+
+
+@dataclass(frozen=True)
+class RebalancePolicy:
+    """When to check (defaults in the spirit of TensorRT-LLM's: every 10 steps, 120 s apart, after 2000
+    finished requests, when a pool is off its target by more than 1.25x)."""
+
+    enabled: bool = True
+    interval_steps: int = 10
+    cooldown_s: float = 120.0
+    min_samples: int = 2000
+    threshold: float = 1.25
+    min_move: float = 0.02  # a clamped move below this share of the shrinking pool waits for a better time
+
+    def __post_init__(self) -> None:
+        if type(self.interval_steps) is not int or self.interval_steps < 1:
+            raise ValueError(f"rebalance interval must be an integer >= 1 step, got {self.interval_steps!r}")
+        if not self.cooldown_s >= 0 or self.min_samples < 0:
+            raise ValueError("rebalance cooldown and minimum samples must be >= 0")
+        if not self.threshold >= 1.0:
+            raise ValueError(f"rebalance threshold is a ratio >= 1.0, got {self.threshold!r}")
+
+
+def request_pages(positions: int, page_size: int, window: int) -> Split:
+    """The most pages a request of `positions` positions held in each pool over its life."""
+    return {POOL_FULL: pages_for(positions, page_size), POOL_SLIDING: peak_pages(window, page_size, positions)}
+
+
+def target_split(uses: Sequence[Mapping[str, int]], budget: int, cost: Mapping[str, int],
+                 floors: Mapping[str, int]) -> Split:
+    """The split of `budget` bytes under which the sampled requests' pages run out in both pools together
+    (the mean request's pages in the ratio of the pools), no pool below its floor."""
+    need = {p: sum(u[p] for u in uses) for p in (POOL_FULL, POOL_SLIDING)}
+    per_unit = sum(need[p] * cost[p] for p in need)
+    full = int(budget * need[POOL_FULL] / per_unit) if per_unit else floors[POOL_FULL]
+    most = (budget - floors[POOL_SLIDING] * cost[POOL_SLIDING]) // cost[POOL_FULL]  # the sliding floor wins
+    full = min(max(floors[POOL_FULL], full), most)
+    return {POOL_FULL: full, POOL_SLIDING: (budget - full * cost[POOL_FULL]) // cost[POOL_SLIDING]}
+
+
+def off_by(current: Mapping[str, int], target: Mapping[str, int]) -> float:
+    """How far the current split is from the target: the largest ratio of one pool's sizes, >= 1."""
+    return max(max(current[p], target[p]) / max(1, min(current[p], target[p])) for p in target)
+
+
+def clamp(target: Split, reports: Sequence[Report], cost: Mapping[str, int], min_move: float) -> Split | None:
+    """The move toward `target` that every rank can take now, or None when it is too small to matter.
+
+    One split goes to every rank, so it must fit the smallest budget; a pool may shrink on a rank only by
+    the pages that rank says it can give up (`movable`: the top of the pool that no live request holds).
+    """
+    pools = [{p.pool: p for p in r.pools} for r in reports]
+    budget = min(sum(ps[p].total * cost[p] for p in cost) for ps in pools)
+    base = pools[0]
+    shrink = POOL_FULL if target[POOL_FULL] < base[POOL_FULL].total else POOL_SLIDING
+    grow = POOL_SLIDING if shrink == POOL_FULL else POOL_FULL
+    lowest = max(ps[shrink].total - ps[shrink].movable for ps in pools)
+    size = max(target[shrink], lowest)
+    split = {shrink: size, grow: (budget - size * cost[shrink]) // cost[grow]}
+    if any(ps[p].total - split[p] > ps[p].movable for ps in pools for p in split):
+        return None  # some rank would have to give up pages a live request holds
+    if base[shrink].total - size < max(1, min_move * base[shrink].total) or split[grow] <= base[grow].total:
+        return None  # too small to matter, or the pages given up do not make one page of the other pool
+    return split
+
+
+class Rebalancer:
+    """One group's rebalance trigger: what finished requests used, and when and where to move the split."""
+
+    def __init__(self, policy: RebalancePolicy, page_size: int, window: int, cost: Mapping[str, int],
+                 max_model_len: int) -> None:
+        if set(cost) != {POOL_FULL, POOL_SLIDING} or window < 1:
+            raise ValueError(f"a rebalance needs a full and a sliding pool and a window, got {dict(cost)} / {window}")
+        self.policy = policy
+        self.page_size = page_size
+        self.window = window
+        self.cost = dict(cost)
+        # never shrink below what one request of the model's whole context needs alone
+        self.floors = request_pages(max_model_len, page_size, window)
+        self.uses: deque[Split] = deque(maxlen=max(1, policy.min_samples))  # the most recent: the workload now
+        self.last_time: float | None = None
+        self.refused: set[tuple[tuple[str, int], ...]] = set()
+        self.reason = ""
+
+    def sample(self, positions: int) -> None:
+        """A request finished after holding `positions` positions."""
+        self.uses.append(request_pages(positions, self.page_size, self.window))
+
+    def decide(self, step: int, now: float, reports: Sequence[Report]) -> Split | None:
+        """The exact split every rank moves to at plan `step`, or None (no check due, or no move worth it)."""
+        p = self.policy
+        if not p.enabled or not reports or step % p.interval_steps:
+            return None
+        if self.last_time is not None and now - self.last_time < p.cooldown_s:
+            return None
+        if len(self.uses) < max(1, p.min_samples):
+            return None
+        pools = {q.pool: q for q in reports[0].pools}
+        budget = min(sum(q.total * self.cost[q.pool] for q in r.pools) for r in reports)
+        target = target_split(self.uses, budget, self.cost, self.floors)
+        current = {name: q.total for name, q in pools.items()}
+        if off_by(current, target) <= p.threshold:
+            return None
+        split = clamp(target, reports, self.cost, p.min_move)
+        if split is None or tuple(sorted(split.items())) in self.refused:
+            return None
+        self.reason = (f"{len(self.uses)} finished requests held {_mean(self.uses, POOL_FULL):.1f} full and "
+                       f"{_mean(self.uses, POOL_SLIDING):.1f} sliding pages on average; target {target}")
+        return split
+
+    def applied(self, split: Split, ok: bool, now: float) -> None:
+        """The group carried the split out (a new cooldown and sample start), or refused it (never sent again)."""
+        if ok:
+            self.last_time = now
+            self.uses.clear()
+        else:
+            self.refused.add(tuple(sorted(split.items())))
+
+
+def _mean(uses: Sequence[Split], pool: str) -> float:
+    return sum(u[pool] for u in uses) / max(1, len(uses))

@@ -1,0 +1,151 @@
+"""The rebalance of the split between the `full` and `sliding` pools: the pure trigger and target, the clamp to
+the least capable rank, and randomized runs over divergent simulated ranks (the real `RankCache`) with a
+rebalance every few steps: no refused step, no page moved under a live request, the reference outputs, and
+every rank's pools equal to the split after every rebalance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockstep.coordinator.rebalance import RebalancePolicy, Rebalancer, clamp, off_by, target_split
+from lockstep.coordinator.request import Request
+from lockstep.kv.allocator import PagePool
+from lockstep.steps import PoolState, Report, SamplingParams
+from sim_ranks import VOCAB, Group, make_sched, reference
+
+PS, WINDOW = 4, 8
+COST = {"full": 1, "sliding": 3}  # a sliding page holds three times the layers of a full one
+FLOORS = {"full": 4, "sliding": 3}
+
+
+def report(rank: int, full: int, sliding: int, movable: tuple[int, int] | None = None, step: int = 0) -> Report:
+    mf, ms = movable if movable is not None else (full, sliding)
+    return Report(step, rank, pools=(PoolState("full", full, full, 0, 0, movable=mf),
+                                     PoolState("sliding", sliding, sliding, 0, 0, movable=ms)))
+
+
+def rebalancer(**policy) -> Rebalancer:
+    defaults = dict(interval_steps=5, cooldown_s=60.0, min_samples=3, threshold=1.25)
+    return Rebalancer(RebalancePolicy(**{**defaults, **policy}), PS, WINDOW, COST, max_model_len=16)
+
+
+def test_target_split_makes_the_pools_run_out_together():
+    long_prompts = [{"full": 30, "sliding": 3}] * 4
+    short_chats = [{"full": 3, "sliding": 3}] * 4
+    assert target_split(long_prompts, 390, COST, FLOORS) == {"full": 300, "sliding": 30}
+    assert target_split(short_chats, 390, COST, FLOORS) == {"full": 97, "sliding": 97}
+    assert target_split([{"full": 1, "sliding": 0}], 390, COST, FLOORS)["sliding"] == 3  # never below a floor
+    assert off_by({"full": 100, "sliding": 100}, {"full": 100, "sliding": 124}) == 1.24
+
+
+def test_the_check_counts_plan_steps_the_cooldown_and_the_samples():
+    r = rebalancer()
+    reports = [report(0, 300, 30), report(1, 300, 30)]
+    for _ in range(2):
+        r.sample(8)  # short chats: 2 full pages, 2 sliding
+    assert r.decide(5, 0.0, reports) is None  # two samples, three needed
+    r.sample(8)
+    assert r.decide(6, 0.0, reports) is None  # not a multiple of the interval
+    split = r.decide(10, 0.0, reports)
+    assert split is not None and split["sliding"] > 30 and 300 + 3 * 30 >= split["full"] + 3 * split["sliding"]
+    r.applied(split, True, now=100.0)
+    for _ in range(3):
+        r.sample(8)
+    moved = [report(0, split["full"], split["sliding"]), report(1, split["full"], split["sliding"])]
+    assert r.decide(15, 150.0, reports) is None  # within the cooldown, whatever the split
+    assert r.decide(20, 200.0, moved) is None  # the split is on target: under the threshold
+
+
+def test_a_refused_split_is_not_sent_again_and_disabled_never_checks():
+    r = rebalancer(cooldown_s=0.0)
+    for _ in range(3):
+        r.sample(8)
+    reports = [report(0, 300, 30)]
+    split = r.decide(5, 0.0, reports)
+    r.applied(split, False, now=0.0)
+    assert r.decide(10, 0.0, reports) is None
+    off = rebalancer(enabled=False)
+    for _ in range(3):
+        off.sample(8)
+    assert off.decide(5, 0.0, reports) is None
+
+
+def test_the_move_is_clamped_to_what_the_least_capable_rank_can_give_up():
+    target = {"full": 100, "sliding": 96}
+    roomy, busy = report(0, 300, 30), report(1, 300, 30, movable=(120, 30))
+    split = clamp(target, [roomy, busy], COST, 0.02)
+    assert split == {"full": 180, "sliding": 70}  # rank 1 holds pages up to 179 of its full pool
+    assert clamp(target, [roomy, report(1, 300, 30, movable=(2, 30))], COST, 0.02) is None  # too small to matter
+    smaller = report(1, 240, 20)  # a rank with a smaller budget: one split must fit it
+    split = clamp({"full": 60, "sliding": 200}, [roomy, smaller], COST, 0.02)
+    assert split is not None and split["full"] + 3 * split["sliding"] <= 240 + 3 * 20
+
+
+def test_a_pool_never_shrinks_under_a_live_request():
+    pool = PagePool("full", 10)
+    pool.allocate("a", 6)
+    pool.release("a")
+    pool.allocate("b", 2)  # the lowest free pages: 0 and 1
+    assert pool.stats().movable == 8
+    pool.resize(2)
+    with pytest.raises(ValueError, match="held by live requests"):
+        pool.resize(1)
+    pool.resize(12)
+    assert pool.stats().total == 12 and pool.stats().free == 10
+    pool.check()
+
+
+def drive(seed: int, ranks: list[tuple[int, int]], policy: RebalancePolicy, n: int = 90) -> Group:
+    """Long prompts, then many short ones, on divergent ranks; checks every step and the outputs."""
+    rng = random.Random(seed)
+    rb = Rebalancer(policy, PS, WINDOW, COST, max_model_len=64)
+    sched = make_sched(ranks=len(ranks), budget=12, seqs=6, window=WINDOW, rebalancer=rb)
+    g = Group(sched, [f for f, _ in ranks], sliding=[s for _, s in ranks])
+    reqs = []
+    for i in range(n):
+        prompt_len = rng.randint(24, 40) if i < n // 3 else rng.randint(2, 6)
+        reqs.append(Request(f"r{i}", [rng.randrange(VOCAB) for _ in range(prompt_len)], SamplingParams(),
+                            rng.randint(1, 12)))
+    nxt, splits = 0, []
+    while nxt < len(reqs) or sched.has_work():
+        if nxt >= n // 3 or not sched.has_work():  # the long prompts first, on their own
+            for req in reqs[nxt:nxt + 2]:
+                sched.add(req)
+            nxt += 2
+        flush = (rng.randrange(len(ranks)),) if rng.random() < 0.03 else ()
+        g.run_step(flush=flush)
+        plan = g.plans[-1]
+        if plan.pool_split:
+            assert not plan.batch and not plan.admits
+            for r in g.ranks:  # the very split, on every rank
+                assert {name: p.num_pages for name, p in r.cache.pools.items()} == dict(plan.pool_split)
+            splits.append((nxt > n // 3, dict(plan.pool_split)))
+        assert g.step < 4000
+    for r in g.ranks:
+        r.assert_idle()
+    for req in reqs:
+        assert req.finish_reason in ("length", "stop") and req.generated == reference(req), req
+    return g, splits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_shifting_workload_rebalances_toward_sliding_and_outputs_never_change(seed: int):
+    policy = RebalancePolicy(interval_steps=3, cooldown_s=0.0, min_samples=4, threshold=1.1)
+    g, splits = drive(seed, [(60, 30), (50, 26), (64, 34)], policy)
+    long_phase = [s for short, s in splits if not short]
+    short_phase = [s for short, s in splits if short]
+    assert long_phase and short_phase, f"the shift from long prompts to short ones moved no page: {splits}"
+    # long prompts need full pages, short chats sliding ones about as much: the split follows
+    assert long_phase[-1]["full"] > 2 * long_phase[-1]["sliding"]
+    assert short_phase[-1]["sliding"] > long_phase[-1]["sliding"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000), st.lists(st.tuples(st.integers(40, 80), st.integers(20, 40)), min_size=1, max_size=3),
+       st.integers(2, 7))
+def test_random_rebalances_over_divergent_ranks_never_refuse(seed: int, ranks: list[tuple[int, int]], every: int):
+    drive(seed, ranks, RebalancePolicy(interval_steps=every, cooldown_s=0.0, min_samples=2, threshold=1.05), n=40)
