@@ -92,6 +92,8 @@ def make_checkpoint(kind: str, path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if kind in GEMMA3_KINDS:
+        return make_gemma3_checkpoint(kind, path)
     path = Path(path)
     done = path / ".complete"
     if done.is_file() and done.read_text() == kind:

@@ -131,7 +131,7 @@ class SimRank:
         for pool in self.cache.pools.values():
             s = pool.stats()
             assert pool.owners() == [], f"rank {self.rank} still holds {pool.owners()} in {pool.name}"
-            assert s.pinned == 0 and s.used == 0 and s.free + s.evictable == s.total, s
+            assert s.pinned == 0 and s.used == 0 and s.free + s.evictable + s.fenced == s.total, s
 
 
 class Group:

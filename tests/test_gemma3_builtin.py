@@ -359,6 +359,20 @@ def test_model_names_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     assert _model_dir("builtin:xyz", said.append) is None and "builtin:gemma3-270m" in said[0]
 
 
+def test_bench_takes_a_builtin_model_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`lockstep bench --model builtin:gemma3-270m` resolves the name the way `lockstep serve` does."""
+    from lockstep.bench.command import _model_dir, main
+
+    chosen: list[str] = []
+    monkeypatch.setattr(builtin, "ensure_builtin_model", lambda progress, model: chosen.append(model.key) or tmp_path)
+    assert _model_dir("builtin:gemma3-270m") == tmp_path and chosen == [GEMMA3_270M.key]
+    assert _model_dir(str(tmp_path / "x")) == tmp_path / "x"
+    assert main(["--model", "builtin:xyz"]) == 2
+    assert "builtin:gemma3-270m" in capsys.readouterr().err  # the names it knows
+    assert main(["--model", "builtin:gemma3-270m"]) == 2  # resolved to tmp_path, which has no config.json
+    assert "has no config.json" in capsys.readouterr().err
+
+
 # ---- the real Gemma 3 270M (slow: 240 MB of wheels once, then a 1.1 GB import) ----
 
 SLOW_ROOT = Path("/tmp/lockstep-test-gemma3")
@@ -509,3 +523,114 @@ def test_lockstep_engine_says_paris(gemma_dir: Path, monkeypatch: pytest.MonkeyP
     text = tok.decode(out)
     assert "Paris" in text, text
     assert out == transformers_greedy(gemma_dir, prompt, PARIS_TOKENS)
+
+
+# ---- the real Gemma 3 270M at TP 1 and TP 2 (slow) ----
+
+FRANCE = "The capital of France is"
+TP_TOKENS = 24
+CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo"),
+            ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Chile", "Santiago"), ("Greece", "Athens"),
+            ("India", "New Delhi"), ("Spain", "Madrid"), ("Italy", "Rome"), ("Poland", "Warsaw"),
+            ("Turkey", "Ankara"), ("Vietnam", "Hanoi"), ("Ghana", "Accra"), ("Cuba", "Havana"),
+            ("Austria", "Vienna"), ("Sweden", "Stockholm"), ("Ireland", "Dublin"), ("Portugal", "Lisbon"),
+            ("Hungary", "Budapest"), ("Thailand", "Bangkok"), ("Argentina", "Buenos Aires"),
+            ("Morocco", "Rabat"), ("Finland", "Helsinki"), ("Iran", "Tehran"), ("Nepal", "Kathmandu"),
+            ("Belgium", "Brussels"), ("Denmark", "Copenhagen"), ("Colombia", "Bogota"), ("Mexico", "Mexico City"),
+            ("Senegal", "Dakar"), ("Mongolia", "Ulaanbaatar"), ("Iceland", "Reykjavik"), ("Ukraine", "Kyiv")]
+# A list whose first line (France) lies more than a window (512 tokens) before the question, so only the
+# three full-attention layers can see it, and every sliding layer's window has moved on.
+LONG_PROMPT = ("An atlas of capitals, one country a line, with a note on each.\n"
+               + "".join(f"{i + 1}. The capital of {c} is {k}; {k} is the seat of the government of {c}.\n"
+                         for i, (c, k) in enumerate(CAPITALS))
+               + "Question: what is the capital of France, the first country in the atlas?\nAnswer:")
+
+
+def lockstep_greedy(model_dir: Path, tp: int, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The prompts served together, greedy, n tokens each: the real Scheduler over a LocalGroup of tp ranks."""
+    from lockstep.coordinator.request import Request
+    from lockstep.coordinator.scheduler import TOKEN, Scheduler
+    from lockstep.kv.page_keys import key_salt
+    from lockstep.local_group import LocalGroup
+
+    with LocalGroup(str(model_dir), tp, page_size=16, kv_pages=256) as group:
+        info = group.infos[0]
+        assert info.sliding_window == 512 and dict(info.pools).keys() == {"full", "sliding"}
+        sched = Scheduler(16, key_salt(info.model_id, 16), 512, 8, tp, True, info.max_model_len,
+                          window=info.sliding_window)
+        reqs = [Request(f"tp{tp}-{i}", p, max_tokens=n) for i, p in enumerate(prompts)]
+        for r in reqs:
+            sched.add(r)
+        out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        step, reports = 0, []
+        while sched.has_work():
+            reports = group.step(sched.plan(step, reports))
+            assert not any(r.error for r in reports), [r.error for r in reports]
+            for e in sched.apply(reports):
+                if e.kind == TOKEN:
+                    out[e.request_id].append(e.token_id)
+            step += 1
+            assert step < 500
+        return [out[r.request_id] for r in reqs]
+
+
+def transformers_greedy_exact(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time, exactly n of them (no stop at EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.mark.slow
+def test_gemma_tp1_and_tp2_give_transformers_greedy_tokens(gemma_dir: Path) -> None:
+    """Real weights: TP 1 == TP 2 == transformers, on a short prompt and one longer than the sliding window."""
+    torch.set_num_threads(2)
+    tok = Tokenizer.from_dir(gemma_dir)
+    prompts = [tok.encode(FRANCE), tok.encode(LONG_PROMPT)]
+    assert len(prompts[1]) > 512 + 64, len(prompts[1])  # France is more than a window behind the question
+    timings = {}
+    start = time.perf_counter()
+    want = transformers_greedy_exact(gemma_dir, prompts, TP_TOKENS)
+    timings["transformers"] = time.perf_counter() - start
+    got = {}
+    for tp in (1, 2):
+        start = time.perf_counter()
+        got[tp] = lockstep_greedy(gemma_dir, tp, prompts, TP_TOKENS)
+        timings[f"TP {tp}"] = time.perf_counter() - start
+    for i, out in enumerate(want):
+        print(f"prompt {i} ({len(prompts[i])} tokens) -> {tok.decode(out)!r}")
+    print("seconds:", {k: round(v, 1) for k, v in timings.items()})
+    assert got[1] == want
+    assert got[2] == want
+    assert tok.decode(want[1]).startswith(" Paris\n")  # read from line 1, through the full-attention layers
+
+
+@pytest.mark.slow
+def test_gemma_capital_of_france_continuation(gemma_dir: Path) -> None:
+    """What the base model says after "The capital of France is" in 32 greedy tokens, Lockstep and transformers.
+
+    The issue asks for "Paris" here. This Q4_K_M base model's greedy text is " the capital of the country of
+    France. It is the largest city in France and the second largest city in Europe. It is located in the
+    middle of the country and ..." (transformers too, to 48 tokens): it never names Paris. The text is pinned
+    below, so a change in the import or the model code shows up; the Paris check is PARIS_PROMPT's, the
+    question asked the way a base model expects it, served here at TP 2 in the same batch.
+    """
+    torch.set_num_threads(2)
+    tok = Tokenizer.from_dir(gemma_dir)
+    prompt = tok.encode(FRANCE)
+    want = transformers_greedy_exact(gemma_dir, [prompt], 32)[0]
+    ours = lockstep_greedy(gemma_dir, 2, [prompt, tok.encode(PARIS_PROMPT)], 32)
+    text = tok.decode(ours[0])
+    print(f"{FRANCE!r} -> {text!r}")
+    print(f"{PARIS_PROMPT!r} -> {tok.decode(ours[1])!r}")
+    assert ours[0] == want
+    assert text.startswith(" the capital of the country of France. It is the largest city in France") and (
+        "Paris" not in text), text
+    assert "Paris" in tok.decode(ours[1])

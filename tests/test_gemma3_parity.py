@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import GEMMA3_KINDS, TEXT, make_gemma3_checkpoint
+from checkpoints import GEMMA3_KINDS, TEXT
 from distributed import ProcessGroup
 from lockstep.model.attention import AttentionBatch
 from lockstep.model.config import ModelConfig, RopeScaling, UnsupportedModelError
@@ -39,15 +39,8 @@ def group():
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            made[kind] = make_gemma3_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
+def gemma3_dir(checkpoint_dir):
+    return checkpoint_dir
 
 
 @pytest.fixture(scope="module")

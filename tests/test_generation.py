@@ -443,3 +443,80 @@ def test_coordinator_step_log_reads_the_groups_step_log():
             await r.close()
 
     asyncio.run(main())
+
+
+# ----- logprobs: carried with their tokens, rendered as OpenAI's shapes
+
+
+def _lp_events() -> list[TokenEvent]:
+    from lockstep.steps import TokenLogprobs
+
+    hello, wor, ld = tid("Hello"), tid(" wor"), tid("ld")
+    return [TokenEvent(hello, None, 0, logprobs=TokenLogprobs(-0.5, ((hello, -0.5), (wor, -1.0)))),
+            TokenEvent(wor, None, 0, logprobs=TokenLogprobs(-3.0, ((ld, -0.25), (hello, -0.5)))),
+            TokenEvent(ld, None, 0, logprobs=TokenLogprobs(-math.inf, ((hello, -0.1), (wor, math.nan)))),
+            TokenEvent(None, FinishReason.LENGTH, 0)]
+
+
+def test_text_pieces_carry_each_tokens_logprobs_through_held_back_text():
+    spec = GenerateSpec([1], SamplingParams(logprobs=2), 16, ["ldx"])  # holds back two characters
+
+    async def go() -> list[TextPiece]:
+        return [p async for p in text_stream(TOK, spec, _events(*_lp_events()))]
+
+    pieces = run_stream(_lp_events())  # not asked for: none
+    assert all(p.logprobs == () for p in pieces)
+    pieces = asyncio.run(go())
+    assert [len(p.logprobs) for p in pieces] == [len(p.token_ids) for p in pieces]
+    assert [lp.logprob for p in pieces for lp in p.logprobs] == [-0.5, -3.0, -math.inf]
+
+
+def test_http_logprobs_whole_and_streamed_in_openai_shapes():
+    fe = FakeFrontend(_lp_events())
+    fe.tokenizer = Tokenizer(TOK._backend, {}, "{% for m in messages %}{{ m['content'] }}{% endfor %}", {0})
+    (s1, whole), (s2, sse), (s3, chat) = _http(fe, [
+        lambda c: _post(c, "/v1/completions", {"prompt": [5], "logprobs": 1}),
+        lambda c: _post(c, "/v1/completions", {"prompt": [5], "logprobs": 1, "stream": True}),
+        lambda c: _post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "logprobs": True, "top_logprobs": 1}),
+    ])
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert [spec.sampling.logprobs for _, spec in fe.asked] == [1, 1, 1]  # the ranks are asked for the top 1
+    lps = whole["choices"][0]["logprobs"]
+    assert lps == {"tokens": ["Hello", " wor", "ld"], "token_logprobs": [-0.5, -3.0, -9999.0],
+                   # the top 1, then the sampled token when it is not among them; NaN and -inf as -9999.0
+                   "top_logprobs": [{"Hello": -0.5}, {"ld": -0.25, " wor": -3.0}, {"Hello": -0.1, "ld": -9999.0}],
+                   "text_offset": [0, 5, 9]}
+    chunks = [json.loads(line[6:]) for line in sse.split("\n\n") if line.startswith("data: {")]
+    streamed: dict[str, list] = {}
+    for chunk in chunks:
+        for name, values in chunk["choices"][0]["logprobs"].items():
+            streamed.setdefault(name, []).extend(values)
+    assert streamed == lps  # offsets count on across chunks
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content[1] == {"token": " wor", "logprob": -3.0, "bytes": list(b" wor"),
+                          "top_logprobs": [{"token": "ld", "logprob": -0.25, "bytes": list(b"ld")}]}
+    assert content[2]["logprob"] == -9999.0 and len(content) == 3
+
+
+def test_grpc_logprobs_and_their_range():
+    from lockstep.coordinator.grpc_api import InferenceServicer, request_spec
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+
+    fe = FakeFrontend(_lp_events())
+    servicer = InferenceServicer(fe)
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), logprobs=2)
+
+    async def go():
+        return await servicer.Complete(req, None), [m async for m in servicer.Generate(req, None)]
+
+    done, streamed = asyncio.run(go())
+    assert [(m.token_id, m.logprob) for m in done.logprobs] == [(tid("Hello"), -0.5), (tid(" wor"), -3.0),
+                                                                 (tid("ld"), -math.inf)]
+    assert list(done.logprobs[1].top_ids) == [tid("ld"), tid("Hello")] and done.logprobs[1].top_logprobs[0] == -0.25
+    assert [m for s in streamed for m in s.logprobs] == list(done.logprobs)
+    assert [spec.sampling.logprobs for _, spec in fe.asked] == [2, 2]
+    assert request_spec(MODEL, ipb.GenerateRequest(text="x")).__getitem__(0).sampling.logprobs == -1
+    for bad in (-1, 21):
+        err = error_of(request_spec, MODEL, ipb.GenerateRequest(text="x", logprobs=bad))
+        assert (err.status, err.param) == (400, "logprobs")

@@ -242,7 +242,9 @@ def test_drain_lets_a_group_finish_what_it_holds_and_resume_takes_it_back(tiny_l
             assert status == 200 and body["holds_nothing"] is True, body
             assert fut.result()["choices"][0]["token_ids"] == undisturbed
         assert sum(c.metric("lockstep_requests", group=busy)) == 0
+        assert http("GET", c.url + "/health")[1][busy]["draining"] is True  # an operator that restarted reads it
         assert http("POST", c.url + f"/admin/resume?group={busy}") == (200, {"group": busy, "draining": False})
+        assert http("GET", c.url + "/health")[1][busy]["draining"] is False
         status, body = http("POST", c.url + "/admin/drain?group=nope")
         assert status == 404 and body["error"]["code"] == "group_not_found"
         status, body = http("POST", c.url + f"/admin/drain?group={busy}&migrate=maybe")
@@ -260,6 +262,66 @@ def test_drain_lets_a_group_finish_what_it_holds_and_resume_takes_it_back(tiny_l
             assert fut.result()["choices"][0]["token_ids"] == undisturbed
         assert c.metric("lockstep_requests_migrated_total", group=busy) == [1.0]
         http("POST", c.url + f"/admin/resume?group={busy}")
+        assert sum(c.metric("lockstep_requests_dropped_total")) == 0
+        c.assert_no_leak()
+    finally:
+        c.close()
+
+
+def _shared_prefix_run(c: Cluster, prefixes: list[list[int]], order: list[int], clients: int) -> list[int]:
+    """Each request is a prefix then a suffix of its own; returns every request's cached prompt tokens."""
+    def one(i: int) -> int:
+        body = complete(c, prefixes[order[i]] + prompt(1000 + i, 8), 2)
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(one, range(len(order))))
+
+
+def test_prefix_routing_keeps_a_prefix_on_one_group_and_hits_its_cache_far_more_than_least_loaded(
+        tiny_llama, tmp_path):
+    """8 prefixes of 8 pages, 12 requests each, fill more than a group's cache (40 pages) but half of them fit:
+    least-loaded routing sends every prefix to both groups, which evict each other's prefixes; prefix routing
+    keeps each prefix on the group it first went to, which keeps it cached, and counts those requests as
+    `prefix`. A prefix also goes back to its group while that group is the busier one."""
+    import random
+
+    c = Cluster(tiny_llama, tp=1, kv_pages=40, log_dir=tmp_path, groups=2,
+                coordinator_args=["--routing", "least-loaded"])
+    try:
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        prefixes = [prompt(900 + p, 128) for p in range(8)]
+        order = [p for p in range(8) for _ in range(12)]
+        random.Random(3).shuffle(order)
+        least = _shared_prefix_run(c, prefixes, order, clients=4)
+        assert sum(c.metric("lockstep_routing_decisions_total", reason="prefix")) == 0
+        assert http("POST", c.url + "/admin/reset_prefix_cache")[0] == 200
+        c.coordinator.terminate()
+        c.coordinator.wait(timeout=15)
+        c.coordinator_args = ["--routing", "prefix"]
+        c.start_coordinator()
+        c.wait_healthy()
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        routed = _shared_prefix_run(c, prefixes, order, clients=4)
+        hits = lambda cached: sum(n > 0 for n in cached)
+        assert hits(routed) >= len(order) - 8 - 4, (routed, least)  # all but the first of each prefix, nearly
+        misses = lambda cached: len(order) - hits(cached)
+        assert misses(least) >= 2 * misses(routed) and hits(routed) >= hits(least) + 16, (routed, least)
+        by_reason = {r: sum(c.metric("lockstep_routing_decisions_total", reason=r)) for r in ("prefix", "least_loaded")}
+        assert by_reason == {"prefix": len(order) - 8, "least_loaded": 8}, by_reason
+
+        with ThreadPoolExecutor(2) as pool:  # a long request makes its prefix's group the busier one
+            long = pool.submit(complete, c, prefixes[0] + prompt(2000, 8), 300)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not sum(c.metric("lockstep_requests", state="running")):
+                time.sleep(0.02)
+            busy = "g0" if sum(c.metric("lockstep_requests", group="g0", state="running")) else "g1"
+            before = c.metric("lockstep_routing_decisions_total", group=busy, reason="prefix")[0]
+            body = complete(c, prefixes[0] + prompt(2001, 8), 2)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+            assert c.metric("lockstep_routing_decisions_total", group=busy, reason="prefix")[0] == before + 1
+            assert not long.done()
+            long.result(timeout=120)
         assert sum(c.metric("lockstep_requests_dropped_total")) == 0
         c.assert_no_leak()
     finally:

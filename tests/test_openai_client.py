@@ -173,3 +173,40 @@ def test_errors_are_the_clients_exception_types(served):
     with pytest.raises(openai.BadRequestError):
         asyncio.run(go_async())
     served.assert_no_leak()
+
+
+def test_logprobs_parse_as_the_clients_types(served):
+    """Completions' legacy `logprobs` and chat's `logprobs.content` (with `bytes` and `top_logprobs`), whole and
+    streamed, are the client's own typed objects; a bad count is its BadRequestError naming the field."""
+    client = _client(served)
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    done = client.completions.create(**args, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == TOKENS
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs)
+    assert all(isinstance(top, dict) and 1 <= len(top) <= 4 for top in lp.top_logprobs)
+    assert lp.token_logprobs[0] == max(lp.top_logprobs[0].values())  # greedy: the most likely token
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**args, logprobs=3, stream=True)]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == TOKENS
+    for entry in content:
+        assert isinstance(entry.token, str) and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].logprob == entry.logprob
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert [e for c in chunks if c.choices for e in c.choices[0].logprobs.content] == content
+    for bad, param in (({"logprobs": 21}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            if param == "logprobs":
+                client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **bad)
+            else:
+                client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
+        assert refused.value.param == param
+    served.assert_no_leak()

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockstep.coordinator.rebalance import RebalancePolicy, Rebalancer, clamp, off_by, target_split
+from lockstep.coordinator.rebalance import Move, RebalancePolicy, Rebalancer, clamp, off_by, target_split
 from lockstep.coordinator.request import Request
 from lockstep.kv.allocator import PagePool
 from lockstep.steps import PoolState, Report, SamplingParams
@@ -50,9 +50,10 @@ def test_the_check_counts_plan_steps_the_cooldown_and_the_samples():
     assert r.decide(5, 0.0, reports) is None  # two samples, three needed
     r.sample(8)
     assert r.decide(6, 0.0, reports) is None  # not a multiple of the interval
-    split = r.decide(10, 0.0, reports)
+    move = r.decide(10, 0.0, reports)
+    split = move.split
     assert split is not None and split["sliding"] > 30 and 300 + 3 * 30 >= split["full"] + 3 * split["sliding"]
-    r.applied(split, True, now=100.0)
+    r.applied(move, True, now=100.0)
     for _ in range(3):
         r.sample(8)
     moved = [report(0, split["full"], split["sliding"]), report(1, split["full"], split["sliding"])]
@@ -65,8 +66,8 @@ def test_a_refused_split_is_not_sent_again_and_disabled_never_checks():
     for _ in range(3):
         r.sample(8)
     reports = [report(0, 300, 30)]
-    split = r.decide(5, 0.0, reports)
-    r.applied(split, False, now=0.0)
+    move = r.decide(5, 0.0, reports)
+    r.applied(move, False, now=0.0)
     assert r.decide(10, 0.0, reports) is None
     off = rebalancer(enabled=False)
     for _ in range(3):
@@ -83,6 +84,52 @@ def test_the_move_is_clamped_to_what_the_least_capable_rank_can_give_up():
     smaller = report(1, 240, 20)  # a rank with a smaller budget: one split must fit it
     split = clamp({"full": 60, "sliding": 200}, [roomy, smaller], COST, 0.02)
     assert split is not None and split["full"] + 3 * split["sliding"] <= 240 + 3 * 20
+
+
+def test_held_pages_at_the_top_fence_the_pool_until_they_drain_then_the_split_follows():
+    r = rebalancer(cooldown_s=0.0)
+    for _ in range(3):
+        r.sample(8)  # short chats: the full pool should shrink
+    busy = [report(0, 300, 30, movable=(10, 30))]  # a request holds page 289 of the full pool
+    move = r.decide(5, 0.0, busy)
+    assert move == Move(fence={"full": move.fence["full"]}) and move.fence["full"] < 290
+    r.applied(move, True, now=0.0)
+    assert r.decide(10, 0.0, busy) is None  # still held above the fence: wait
+    drained = [report(0, 300, 30, movable=(300 - move.fence["full"], 30))]
+    split = r.decide(15, 0.0, drained).split
+    assert split["full"] == move.fence["full"] and split["sliding"] > 30
+    r.applied(Move(split=split), True, now=0.0)
+    assert r.fence is None
+
+
+def test_a_fence_that_never_drains_is_lifted_with_what_can_move():
+    r = rebalancer(cooldown_s=10.0, fence_checks=2)
+    for _ in range(3):
+        r.sample(8)
+    stuck = [report(0, 300, 30, movable=(1, 30))]
+    r.applied(r.decide(5, 0.0, stuck), True, now=0.0)
+    assert r.decide(10, 0.0, stuck) is None
+    lift = r.decide(15, 0.0, stuck)  # one page is too small a move: the fence comes down
+    assert lift.lift and lift.fence == {"full": 300}
+    r.applied(lift, True, now=50.0)
+    assert r.fence is None and r.decide(20, 55.0, stuck) is None  # a new cooldown before the next try
+    assert r.decide(25, 61.0, stuck).fence == {"full": 97}  # then it asks again: never forced
+
+
+def test_a_fence_stops_handing_out_pages_above_it_and_the_resize_lifts_it():
+    pool = PagePool("full", 10)
+    pool.allocate("low", 2)
+    pool.allocate("high", 6)  # pages 2..7
+    pool.set_fence(4)
+    assert pool.stats().free == 0 and pool.stats().fenced == 2  # 8 and 9 are free but fenced
+    with pytest.raises(Exception, match="asked for 1"):
+        pool.allocate("more", 1)
+    pool.release("high")
+    assert pool.stats().free == 2 and pool.stats().fenced == 6 and pool.stats().movable == 8
+    pool.check()
+    pool.resize(4)
+    assert pool.stats().total == 4 and pool.stats().fenced == 0 and pool.fence == 4
+    pool.check()
 
 
 def test_a_pool_never_shrinks_under_a_live_request():

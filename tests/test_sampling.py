@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distributed import run_distributed
-from lockstep.model.sampling import allowed_mask, check_params, sample
+from lockstep.model.sampling import allowed_mask, check_params, sample, token_logprobs
 from lockstep.parallel.comm import Comm
 from lockstep.steps import SamplingParams
 
@@ -391,3 +391,33 @@ def test_every_rank_draws_the_same_tokens():
     seeds = [101, 202, 303, 404]
     rank0, rank1 = run_distributed(sample_on_rank, 2, seeds)
     assert rank0 == rank1 == sample(logits_rows(len(MIXED), 9), MIXED, seeds)
+
+
+# ---- logprobs ----------------------------------------------------------------------------------------
+
+def test_token_logprobs_are_the_raw_log_softmax_and_its_k_largest():
+    logits = logits_rows(3, 11).to(torch.bfloat16)
+    chosen = [5, 0, 63]
+    got = token_logprobs(logits, chosen, [0, 4, V + 10])  # k past the vocabulary: all of it
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert [g.logprob for g in got] == pytest.approx([ref[i, t].item() for i, t in enumerate(chosen)], abs=1e-6)
+    assert got[0].top == ()
+    assert [i for i, _ in got[1].top] == ref[1].topk(4).indices.tolist()
+    assert [v for _, v in got[1].top] == pytest.approx(ref[1].topk(4).values.tolist(), abs=1e-6)
+    assert len(got[2].top) == V and sorted((v for _, v in got[2].top), reverse=True) == [v for _, v in got[2].top]
+
+
+def test_token_logprobs_do_not_depend_on_how_the_token_was_drawn():
+    """vLLM's default logprobs_mode (raw_logprobs): the model's distribution, before temperature and top-k/p."""
+    logits = logits_rows(1, 12)
+    hot = sample(logits, [SamplingParams(temperature=1.7, top_k=5, top_p=0.5)], [3])[0]
+    assert token_logprobs(logits, [hot], [2])[0].logprob == pytest.approx(
+        torch.log_softmax(logits, -1)[0, hot].item(), abs=1e-6)
+
+
+def test_token_logprobs_of_degenerate_rows_never_raise():
+    logits = torch.tensor([[-INF] * 4, [NAN, 0.0, 1.0, 2.0], [INF, 0.0, 0.0, 0.0]])
+    got = token_logprobs(logits, [0, 3, 0], [2, 2, 2])
+    assert len(got) == 3 and all(len(g.top) == 2 for g in got)
+    with pytest.raises(ValueError, match="for 1 tokens"):
+        token_logprobs(logits, [0], [1])

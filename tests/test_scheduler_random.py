@@ -110,21 +110,25 @@ def test_random_multi_rank_runs_never_overdraw_and_finish_every_request(w: Workl
     drive(w)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_long_run_of_divergent_ranks_under_pressure(seed: int):
+def seeded_pressure(seed: int, pools: list[int], **kw) -> Workload:
+    """160 requests over 600 steps on three divergent ranks, with flushes, aborts and refusals drawn by seed."""
     rng = random.Random(seed)
     arrivals = [
         (rng.randrange(600), rng.randrange(4), rng.randrange(17),
          [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], rng.randint(1, 24), rng.random() < 0.3)
         for _ in range(160)
     ]
-    w = Workload(
-        pools=[14, 10, 18], budget=10, seqs=6, caching=True, arrivals=arrivals,
+    return Workload(
+        pools=pools, budget=10, seqs=6, caching=True, arrivals=arrivals,
         flushes={s: rng.randrange(3) for s in range(25, 700, 45)},
         aborts={rng.randrange(700): rng.randrange(160) for _ in range(6)},
-        refusals={rng.randrange(700) for _ in range(3)},
+        refusals={rng.randrange(700) for _ in range(3)}, **kw,
     )
-    g = drive(w)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_long_run_of_divergent_ranks_under_pressure(seed: int):
+    g = drive(seeded_pressure(seed, [14, 10, 18]))
     assert g.step > 600
     assert g.sched.stats.preemptions > 0 and g.sched.stats.prefix_hit_tokens > 0
     assert any(len(a.prefix_keys) for p in g.plans for a in p.admits)
@@ -165,19 +169,6 @@ def test_random_hybrid_runs_agree_on_servable_prefixes_and_finish_every_request(
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_long_hybrid_run_of_divergent_ranks_reuses_windows(seed: int):
-    rng = random.Random(seed)
-    arrivals = [
-        (rng.randrange(600), rng.randrange(4), rng.randrange(17),
-         [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))], rng.randint(1, 24), rng.random() < 0.3)
-        for _ in range(160)
-    ]
-    w = Workload(
-        pools=[40, 30, 48], budget=10, seqs=6, caching=True, arrivals=arrivals,
-        flushes={s: rng.randrange(3) for s in range(25, 700, 45)},
-        aborts={rng.randrange(700): rng.randrange(160) for _ in range(6)},
-        refusals={rng.randrange(700) for _ in range(3)},
-        window=8, sliding=[14, 10, 18],
-    )
-    g = drive(w)
+    g = drive(seeded_pressure(seed, [40, 30, 48], window=8, sliding=[14, 10, 18]))
     assert g.sched.stats.preemptions > 0 and g.sched.stats.prefix_hit_tokens > 0
     assert any(len(a.prefix_keys) for p in g.plans for a in p.admits)

@@ -218,7 +218,8 @@ def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tin
     comes back up."""
     body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    args = ("--model", str(tiny_llama), "--dp", "2", "--tp", "1", "--kv-pages", "64", "--threads", "1")
+    args = ("--model", str(tiny_llama), "--dp", "2", "--tp", "1", "--kv-pages", "64", "--threads", "1",
+            "--routing", "least-loaded")  # both groups must get a request: prefix routing would pick one
     with _serving(tmp_path, *args) as (proc, port, log_path):
         url = f"http://127.0.0.1:{port}"
         _wait_both_up(proc, port, log_path, 120)

@@ -21,6 +21,7 @@ from lockstep.steps import (
     Sampled,
     SamplingParams,
     Timings,
+    TokenLogprobs,
 )
 from lockstep.wire import (
     WireError,
@@ -44,6 +45,7 @@ sampling = st.builds(
     top_p=finite,
     top_k=st.integers(-(2**63), I64),
     seed=st.none() | st.integers(-(2**63), I64),
+    logprobs=st.integers(-1, I64),
 )
 chunks = st.builds(
     Chunk,
@@ -68,7 +70,10 @@ reports = st.builds(
     Report,
     step=counts,
     rank=st.integers(0, 1024),
-    sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64)), max_size=4).map(tuple),
+    sampled=st.lists(st.builds(Sampled, request_id=ids, token_id=st.integers(0, I64), logprobs=st.none() | st.builds(
+        TokenLogprobs, logprob=st.floats(allow_nan=False),
+        top=st.lists(st.tuples(st.integers(0, I64), st.floats(allow_nan=False)), max_size=21).map(tuple))),
+        max_size=4).map(tuple),
     probes=st.lists(
         st.builds(ProbeAnswer, request_id=ids, matched_pages=counts, pinned_pages=counts,
                   sliding_runs=st.lists(st.tuples(counts, counts), max_size=3).map(tuple),
@@ -118,6 +123,28 @@ def test_chunk_without_sampling_message_is_greedy():
     plan = plan_from_proto(msg)
     assert plan.batch[0].sampling == SamplingParams()
     assert plan == Plan(step=3, batch=(Chunk("r", (5, 6), 2),))
+
+
+def test_logprobs_off_zero_and_k_stay_apart_and_an_unset_field_is_off():
+    for k in (-1, 0, 5):
+        chunk = Chunk("r", (1,), 0, sample=True, sampling=SamplingParams(logprobs=k))
+        msg = plan_to_proto(Plan(step=1, batch=(chunk,)))
+        assert msg.batch[0].sampling.HasField("logprobs") == (k != -1)
+        assert plan_from_proto(msg).batch[0].sampling.logprobs == k
+    with pytest.raises(WireError, match="logprobs must be -1 \\(off\\) or >= 0, got -2"):
+        plan_to_proto(Plan(step=1, batch=(Chunk("r", (1,), 0, sampling=SamplingParams(logprobs=-2)),)))
+
+
+def test_sampled_logprobs_cross_the_wire_and_a_torn_top_list_is_refused():
+    lp = TokenLogprobs(-0.25, ((7, -0.25), (3, -1.5)))
+    report = Report(step=4, rank=1, sampled=(Sampled("a", 7, lp), Sampled("b", 2), Sampled("c", 0, TokenLogprobs(
+        float("-inf")))))
+    back = report_from_proto(pb.ReportMsg.FromString(report_to_proto(report).SerializeToString()))
+    assert back == report and back.sampled[1].logprobs is None and back.sampled[2].logprobs.top == ()
+    torn = pb.ReportMsg(step=1, sampled=[pb.SampledMsg(request_id="r", logprob=-1.0, top_ids=[1, 2],
+                                                       top_logprobs=[-1])])
+    with pytest.raises(WireError, match="2 top ids but 1 logprobs"):
+        report_from_proto(torn)
 
 
 def test_empty_message_is_the_default_plan():

@@ -34,7 +34,7 @@ from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
 from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import load_model
-from lockstep.model.sampling import sample
+from lockstep.model.sampling import sample, token_logprobs
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.steps import Chunk, GroupBroken, Plan, RankInfo, Report, Sampled, Timings
 
@@ -127,6 +127,8 @@ class Engine:
         elif plan.pool_split:
             self.kv.resize(self.config, dict(plan.pool_split))
             log.info("rank %d: KV pools rebalanced at step %d to %s", self.comm.rank, plan.step, dict(plan.pool_split))
+        elif plan.pool_fence:
+            log.info("rank %d: KV pools fenced at step %d at %s", self.comm.rank, plan.step, dict(plan.pool_fence))
         sampled: tuple[Sampled, ...] = ()
         forward_s = 0.0
         if not error and plan.batch:
@@ -181,9 +183,23 @@ class Engine:
                 [sample_seed(c.request_id, c.sampling.seed, c.sample_index) for c in chosen],
             )
             sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
+            sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
         for chunk in batch:
             self.cache.advance(chunk)
         return sampled
+
+
+def _with_logprobs(sampled: tuple[Sampled, ...], logits: torch.Tensor, ks: list[int]) -> tuple[Sampled, ...]:
+    """The sampled tokens whose chunks asked for logprobs (k >= 0) with them: computed here, from the logits
+    the token was drawn from, so the report carries them and the coordinator never sees logits."""
+    asked = [j for j, k in enumerate(ks) if k >= 0]
+    if not asked:
+        return sampled
+    found = token_logprobs(logits[asked], [sampled[j].token_id for j in asked], [ks[j] for j in asked])
+    out = list(sampled)
+    for j, lp in zip(asked, found, strict=True):
+        out[j] = Sampled(sampled[j].request_id, sampled[j].token_id, lp)
+    return tuple(out)
 
 
 def _default_kv_budget(device: torch.device, world_size: int, fraction: float | None) -> int:

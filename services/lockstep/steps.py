@@ -23,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logprobs: int = -1  # -1: off; k >= 0: report the sampled token's logprob and the k most likely (TokenLogprobs)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Plan:
     release_all: bool = False
     abstain: bool = False  # refuse this step and nothing else: catching up a rank left one step behind
     pool_split: tuple[tuple[str, int], ...] = ()  # a rebalance: every pool's new total; the plan holds no work
+    pool_fence: tuple[tuple[str, int], ...] = ()  # pages at or above these are not handed out (in a work-free plan)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class ProbeAnswer:
 
 @dataclass(frozen=True)
 class PoolState:
-    """One KV pool's page counts. free + evictable + used == total, always."""
+    """One KV pool's page counts. free + evictable + used + fenced == total, always."""
 
     pool: str
     total: int
@@ -122,12 +124,31 @@ class PoolState:
     pinned: int = 0
     # pages the pool could give up now: its top pages that no live request holds (derived: not compared)
     movable: int = field(default=0, compare=False)
+    fenced: int = 0  # free pages above a fence, not handed out (a pool about to shrink); counted in none above
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the `top` most likely tokens as (id, logprob), most likely first.
+
+    Of the model's raw logits (log_softmax before temperature, top-k and top-p: vLLM's default
+    `logprobs_mode=raw_logprobs`), so a client can score text independently of how it was sampled.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "top", tuple((int(i), float(lp)) for i, lp in self.top))
 
 
 @dataclass(frozen=True)
 class Sampled:
+    """One request's sampled token; with `logprobs` when its chunk asked for them (SamplingParams.logprobs)."""
+
     request_id: str
     token_id: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from lockstep.steps import (
     Sampled,
     SamplingParams,
     Timings,
+    TokenLogprobs,
 )
 
 
@@ -58,6 +59,9 @@ def _check_chunk(chunk: Chunk, where: str) -> None:
         raise WireError(
             f"{where} ({chunk.request_id!r}): sample_index must be >= 0, got {chunk.sample_index}"
         )
+    if chunk.sampling.logprobs < -1:
+        raise WireError(f"{where} ({chunk.request_id!r}): logprobs must be -1 (off) or >= 0, "
+                        f"got {chunk.sampling.logprobs}")
     negative = [t for t in chunk.token_ids if t < 0]
     if negative:
         raise WireError(f"{where} ({chunk.request_id!r}): token ids must be >= 0, got {negative[0]}")
@@ -90,6 +94,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
             release_all=plan.release_all,
             abstain=plan.abstain,
             pool_split=dict(plan.pool_split),
+            pool_fence=dict(plan.pool_fence),
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
@@ -107,6 +112,8 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
             c.sampling.top_k = s.top_k
             if s.seed is not None:
                 c.sampling.seed = s.seed
+            if s.logprobs != -1:
+                c.sampling.logprobs = s.logprobs
         for probe in plan.probes:
             msg.probes.add(request_id=probe.request_id, keys=list(probe.keys))
     except (TypeError, ValueError) as e:
@@ -130,6 +137,7 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
                     top_p=s.top_p,
                     top_k=s.top_k,
                     seed=s.seed if s.HasField("seed") else None,
+                    logprobs=s.logprobs if s.HasField("logprobs") else -1,
                 )
                 if c.HasField("sampling")
                 else SamplingParams(),
@@ -146,6 +154,7 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
         release_all=msg.release_all,
         abstain=msg.abstain,
         pool_split=tuple(sorted(msg.pool_split.items())),
+        pool_fence=tuple(sorted(msg.pool_fence.items())),
     )
     _check_plan(plan)
     return plan
@@ -160,7 +169,11 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
     try:
         msg = pb.ReportMsg(step=report.step, rank=report.rank, error=report.error)
         for s in report.sampled:
-            msg.sampled.add(request_id=s.request_id, token_id=s.token_id)
+            m = msg.sampled.add(request_id=s.request_id, token_id=s.token_id)
+            if s.logprobs is not None:
+                m.logprob = s.logprobs.logprob
+                m.top_ids.extend(i for i, _ in s.logprobs.top)
+                m.top_logprobs.extend(lp for _, lp in s.logprobs.top)
         for p in report.probes:
             msg.probes.add(
                 request_id=p.request_id, matched_pages=p.matched_pages, pinned_pages=p.pinned_pages,
@@ -169,7 +182,7 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
         for p in report.pools:
             msg.pools.add(
                 pool=p.pool, total=p.total, free=p.free, evictable=p.evictable, used=p.used, pinned=p.pinned,
-                movable=p.movable,
+                movable=p.movable, fenced=p.fenced,
             )
         for name, key in TIMING_NAMES.items():
             seconds = getattr(report.timings, name)
@@ -188,12 +201,22 @@ def report_from_proto(msg: pb.ReportMsg) -> Report:
     return Report(
         step=msg.step,
         rank=msg.rank,
-        sampled=tuple(Sampled(s.request_id, s.token_id) for s in msg.sampled),
+        sampled=tuple(_sampled(s) for s in msg.sampled),
         probes=tuple(_probe_answer(p) for p in msg.probes),
-        pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned, p.movable) for p in msg.pools),
+        pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned, p.movable, p.fenced)
+                    for p in msg.pools),
         error=msg.error,
         timings=Timings(**{name: msg.timings.get(key, 0.0) for name, key in TIMING_NAMES.items()}),
     )
+
+
+def _sampled(msg: pb.SampledMsg) -> Sampled:
+    if len(msg.top_ids) != len(msg.top_logprobs):
+        raise WireError(f"sampled {msg.request_id}: {len(msg.top_ids)} top ids but {len(msg.top_logprobs)} logprobs")
+    if not msg.HasField("logprob"):
+        return Sampled(msg.request_id, msg.token_id)
+    top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
+    return Sampled(msg.request_id, msg.token_id, TokenLogprobs(msg.logprob, top))
 
 
 def _probe_answer(msg: pb.ProbeAnswerMsg) -> ProbeAnswer:

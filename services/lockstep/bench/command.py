@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory")
+    model.add_argument("--model", help="a Hugging Face checkpoint directory, or 'builtin' / 'builtin:NAME' "
+                       "(fetched and imported on first use, as `lockstep serve` does)")
     model.add_argument("--tiny", action="store_true", help="build a tiny random Llama into a temp dir "
                        "(needs transformers)")
     p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size of both runs")
@@ -68,6 +69,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _model_dir(model: str) -> Path:
+    """--model as a directory: 'builtin' and 'builtin:NAME' resolve to the cached import (fetched once)."""
+    if model.startswith("builtin"):
+        from lockstep.model.builtin import BuiltinModelUnavailable, resolve_model
+
+        try:
+            return resolve_model(model, progress=lambda line: print(line, file=sys.stderr))
+        except BuiltinModelUnavailable as exc:
+            raise ValueError(str(exc)) from None
+    return Path(model)
+
+
 def _model_limits(model_dir: Path) -> tuple[int, int]:
     """(token ids the prompts may use, positions) from the checkpoint's tokenizer and config."""
     from lockstep.model.config import ModelConfig
@@ -85,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     try:
-        model_dir = build_tiny_model(scratch / "tiny") if args.tiny else args.model
         try:
+            model_dir = build_tiny_model(scratch / "tiny") if args.tiny else _model_dir(args.model)
             vocab, positions = _model_limits(model_dir)
         except ValueError as exc:
             print(f"lockstep bench: {exc}", file=sys.stderr)

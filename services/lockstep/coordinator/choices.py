@@ -43,7 +43,8 @@ def choice_ids(request_id: str, n: int) -> list[str]:
 def _joined(pieces: Sequence[TextPiece]) -> Completion:
     reasons = [p.finish_reason for p in pieces if p.finish_reason is not None]
     return Completion("".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
-                      reasons[-1] if reasons else None, pieces[-1].cached_tokens if pieces else 0)
+                      reasons[-1] if reasons else None, pieces[-1].cached_tokens if pieces else 0,
+                      [lp for p in pieces for lp in p.logprobs] or ())
 
 
 # ----- n choices

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.rebalance import RebalancePolicy
+from lockstep.coordinator.routing import POLICIES as ROUTING_POLICIES
+from lockstep.coordinator.routing import parse_policy
 from lockstep.rank_auth import COORDINATOR_SETTINGS as RANK_AUTH_SETTINGS
 from lockstep.rank_auth import RankClientAuth, client_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
@@ -34,6 +36,7 @@ class CoordinatorConfig:
     dead_rank_timeout: float = 30.0
     replay_timeout: float = 300.0
     prefix_caching: bool = True
+    routing: str = "prefix"  # which group a new request goes to: `prefix` (cache-aware) or `least-loaded`
     rebalance_enabled: bool = True  # --no-rebalance: the pool split stays where the ranks started it
     rebalance_interval_steps: int = 10
     rebalance_cooldown: float = 120.0  # seconds, on the coordinator's clock
@@ -49,6 +52,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
             raise ValueError("stall_threshold and dead_rank_timeout must be > 0 and replay_timeout >= 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         for name, addresses in self.groups.items():
             if not name or not addresses:
                 raise ValueError(f"group {name!r} needs a name and at least one rank address")
@@ -89,6 +94,9 @@ SCHEDULING = (
             "(0: 503 at once when no other group is up)", within(0, 86400)),
     Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
             help="turn prefix caching off", switch=True, flag_value=False),
+    Setting("routing", "--routing", "LOCKSTEP_ROUTING", parse_policy, "prefix",
+            "which group a new request goes to: 'prefix' (the group last sent its longest prefix, unless that "
+            "group is far busier than the least loaded) or 'least-loaded'"),
 )
 # The rebalance of a hybrid model's KV split (DESIGN.md "Rebalance agreement"); the coordinator and
 # `lockstep serve` take these, the ranks never (they carry out the split the plan names).

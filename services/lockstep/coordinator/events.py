@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from lockstep.coordinator.request import FinishReason
+from lockstep.steps import TokenLogprobs
 
 
 class EventKind(enum.StrEnum):
@@ -26,3 +27,4 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str = ""
     retriable: bool = True  # False: the request itself can never be served (the client must change it)
+    logprobs: TokenLogprobs | None = None  # of a TOKEN whose request asked for logprobs (the first rank's)

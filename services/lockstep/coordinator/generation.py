@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from lockstep.coordinator.request import FinishReason
-from lockstep.steps import SamplingParams
+from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
 
 # The documented range of every request field (docs/commands.md and /openapi.json quote these).
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 128
 MAX_N = 16  # choices of one request: each is a request of its own in the queue and the batch
+MAX_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs` (vLLM's default --max-logprobs, OpenAI's cap)
 DEFAULT_RETRY_AFTER_S = 5  # a 503 that names no better time
 MAX_STOP_CHARS = 256  # a longer stop string would hold all output back until the end
 TEMPERATURE_MAX = 2.0
@@ -59,6 +60,7 @@ class TokenEvent:
     cached_tokens: int = 0
     error: str = ""
     status: int = 503  # of an error: < 500 means the request itself can never be served
+    logprobs: TokenLogprobs | None = None  # the token's, when the request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -273,12 +275,14 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
 
 
 class TextPiece(NamedTuple):
-    """New output text with the token ids it came from; finish_reason is set on the last piece."""
+    """New output text with the token ids it came from; finish_reason is set on the last piece. With logprobs
+    asked for, `logprobs[i]` is token_ids[i]'s (None where the rank sent none)."""
 
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    logprobs: Sequence[TokenLogprobs | None] = ()
 
 
 class Completion(NamedTuple):
@@ -288,6 +292,7 @@ class Completion(NamedTuple):
     token_ids: list[int]
     finish_reason: FinishReason | None
     cached_tokens: int
+    logprobs: Sequence[TokenLogprobs | None] = ()
 
 
 def generate_text(frontend: Frontend, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TextPiece, None]:
@@ -308,12 +313,14 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     vocab = tokenizer.vocab_size
     hidden = frozenset(() if spec.include_stop_str else spec.stop_token_ids)
     hold = max((len(s) for s in spec.stop), default=1) - 1
-    text, sent, ids = "", 0, []
+    text, sent, ids, lps = "", 0, [], []
     async with aclosing(events):
         async for ev in events:
             _raise_error(ev)
             if ev.token_id is not None:
                 ids.append(ev.token_id)
+                if spec.sampling.logprobs >= 0:  # else pieces carry none: ()
+                    lps.append(ev.logprobs)
                 # a model whose embedding is padded past the tokenizer can sample an id with no text: it reads as ""
                 if 0 <= ev.token_id < vocab and ev.token_id not in hidden:
                     text += decoder.add(ev.token_id)
@@ -324,12 +331,12 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             if cut is not None:
                 text, reason = text[:cut], FinishReason.STOP
             if reason is not None:
-                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens)
+                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or ())
                 return
             safe = len(text) - hold
             if safe > sent:
-                yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens)
-                sent, ids = safe, []
+                yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens, lps or ())
+                sent, ids, lps = safe, [], []
 
 
 def _raise_error(ev: TokenEvent) -> None:
@@ -352,11 +359,12 @@ def _find_stop(text: str, stops: list[str], sent: int, keep: bool = False) -> in
 
 async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
     """The whole answer of a non-streaming request (cancelled, it closes the pieces: the request aborts)."""
-    text, ids, reason, cached = [], [], None, 0
+    text, ids, reason, cached, lps = [], [], None, 0, []
     async with aclosing(pieces):
         async for piece in pieces:
             text.append(piece.text)
             ids.extend(piece.token_ids)
+            lps.extend(piece.logprobs)
             reason, cached = piece.finish_reason or reason, piece.cached_tokens
-    return Completion("".join(text), ids, reason, cached)
+    return Completion("".join(text), ids, reason, cached, lps or ())
 

@@ -258,7 +258,7 @@ class GroupRunner:
         """What the reports say before the scheduler reads them: flushes done, refusals, pool gauges."""
         if plan.probes:  # the prefix answers ride on this step's reports: their wait is this one
             self.metrics.agreement_wait.labels(self.name, "prefix").observe(wait_s)
-        if plan.pool_split:
+        if plan.pool_split or plan.pool_fence:
             self._observe_rebalance(plan, reports, wait_s)
         for fut in self.flush_sent.values():
             if not fut.done():
@@ -279,7 +279,12 @@ class GroupRunner:
         before = {p.pool: p.total for p in self.last_reports[0].pools} if self.last_reports else {}
         after = dict(plan.pool_split)
         if any(r.error for r in reports):
-            log.error("group %s: rebalance to %s refused at step %d; it is not sent again", self.name, after, plan.step)
+            log.error("group %s: rebalance %s refused at step %d; it is not sent again", self.name,
+                      after or dict(plan.pool_fence), plan.step)
+            return
+        if not after:
+            log.info("group %s: fenced the KV pools at %s pages at step %d, for the pages held above to drain "
+                     "before a rebalance", self.name, dict(plan.pool_fence), plan.step)
             return
         reason = self.scheduler.rebalancer.reason if self.scheduler.rebalancer is not None else ""
         self.metrics.observe_rebalance(self.name, before, after, reason)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lockstep.coordinator.auth import ApiKeys
 from lockstep.coordinator.generation import (
+    MAX_LOGPROBS,
     ApiError,
     Frontend,
     GenerateSpec,
@@ -27,6 +29,7 @@ from lockstep.coordinator.generation import (
     generate_text,
 )
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
+from lockstep.steps import TokenLogprobs
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
            503: grpc.StatusCode.UNAVAILABLE}
@@ -55,7 +58,20 @@ def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tupl
         raise ApiError(400, "the request has no prompt (text or token_ids)")
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ApiError(400, f"'request_id' must have at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
-    return build_spec(frontend, sampling_fields(req), prompt_ids), req.request_id or ("cmpl-" + uuid.uuid4().hex)
+    spec = build_spec(frontend, sampling_fields(req), prompt_ids)
+    if req.HasField("logprobs"):
+        if not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+        spec = replace(spec, sampling=replace(spec.sampling, logprobs=req.logprobs))
+    return spec, req.request_id or ("cmpl-" + uuid.uuid4().hex)
+
+
+def logprob_msgs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
+                 ) -> list[inference_pb2.TokenLogprobs]:
+    """The tokens' logprobs as messages (a token the ranks sent none for has no message)."""
+    return [inference_pb2.TokenLogprobs(token_id=t, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
+                                        top_logprobs=[v for _, v in lp.top])
+            for t, lp in zip(token_ids, logprobs, strict=False) if lp is not None]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -73,6 +89,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 async for piece in pieces:
                     msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text, token_ids=piece.token_ids,
                                                          finish_reason=piece.finish_reason or "")
+                    msg.logprobs.extend(logprob_msgs(piece.token_ids, piece.logprobs))
                     if first and request.return_token_ids:
                         msg.prompt_token_ids.extend(spec.prompt_ids)
                     first = False
@@ -92,7 +109,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         usage = inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(done.token_ids),
                                     total_tokens=prompt + len(done.token_ids), cached_tokens=done.cached_tokens)
         msg = inference_pb2.GenerateResponse(request_id=rid, text=done.text, finish_reason=done.finish_reason or "",
-                                             usage=usage)
+                                             usage=usage, logprobs=logprob_msgs(done.token_ids, done.logprobs))
         if request.return_token_ids:
             msg.token_ids.extend(done.token_ids)
             msg.prompt_token_ids.extend(spec.prompt_ids)

@@ -16,7 +16,9 @@ from lockstep.coordinator.scheduler import SchedulerStats
 from lockstep.steps import PoolState
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-ROUTING_REASONS = ("least_loaded", "replay")  # a new request; a request moved off a group that went down
+# a new request by load; a request moved off a group that went down; a new request to the group last sent
+# its prefix (coordinator/routing.py)
+ROUTING_REASONS = ("least_loaded", "replay", "prefix")
 rebalance_log = logging.getLogger("lockstep.rebalance")
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -143,7 +145,8 @@ class Metrics:
         for rank, pools in pools_by_rank.items():
             for p in pools:
                 self.rank_pool_pages.labels(group, str(rank), p.pool).set(p.total)
-                for state, value in (("free", p.free), ("evictable", p.evictable), ("used", p.used)):
+                for state, value in (("free", p.free), ("evictable", p.evictable), ("used", p.used),
+                                     ("fenced", p.fenced)):
                     self.rank_pages.labels(group, str(rank), p.pool, state).set(value)
                 free_by_pool.setdefault(p.pool, []).append(p.free)
         for pool, frees in free_by_pool.items():

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lockstep.coordinator.generation import ApiError, json_field
+from lockstep.coordinator.generation import MAX_LOGPROBS, ApiError, json_field
 
 MAX_BODY_BYTES = 4 << 20  # aiohttp's client_max_size: a bigger body is a 413
 # the deepest accepted request is 5 levels (a content part); a 10000-level body is a 400, not a RecursionError
@@ -31,7 +31,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
             "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "stream", "stream_options",
             "return_token_ids", "user")
-IMPLEMENTED = {"completions": ("prompt", "echo", *SAMPLING), "chat": ("messages", *SAMPLING),
+IMPLEMENTED = {"completions": ("prompt", "echo", "logprobs", *SAMPLING),
+               "chat": ("messages", "logprobs", "top_logprobs", *SAMPLING),
                "reset_prefix_cache": ("rank",),
                # vLLM's /tokenize takes a prompt or a chat (two request kinds), /detokenize token ids
                "tokenize": ("model", "prompt", "add_special_tokens", "return_token_strs"),
@@ -46,9 +47,8 @@ _NOOP_COMMON: dict[str, tuple] = {
     "use_beam_search": (False,),  # vLLM's; best_of (completions) likewise only 1: every choice is returned
 }
 NOOP: dict[str, dict[str, tuple]] = {
-    "completions": {**_NOOP_COMMON, "logprobs": (), "best_of": (1,), "suffix": ("",),
-                    "prompt_logprobs": ()},
-    "chat": {**_NOOP_COMMON, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+    "completions": {**_NOOP_COMMON, "best_of": (1,), "suffix": ("",), "prompt_logprobs": ()},
+    "chat": {**_NOOP_COMMON, "tools": ([],), "tool_choice": ("none",),
              "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,)},
     "reset_prefix_cache": {}, "tokenize": {}, "tokenize_chat": {}, "detokenize": {},
 }
@@ -117,6 +117,8 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> None:
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", "user")
+    if endpoint in ("completions", "chat"):
+        logprobs_asked(body, endpoint == "chat")  # their rules, before any work (respond reads them again)
 
 
 def check_shadowed_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
@@ -206,3 +208,22 @@ def check_echo(body: Mapping[str, Any]) -> bool:
         raise ApiError(400, "'echo' is supported only without 'logprobs' (no prompt logprobs)", "echo",
                        "unsupported_value")
     return echo
+
+
+def logprobs_asked(body: Mapping[str, Any], chat: bool) -> int:
+    """How many top logprobs each generated token carries, -1 for none (vLLM's rules): completions' `logprobs`
+    is 0..20 (null: off); chat's `logprobs: true` turns them on with `top_logprobs` 0..20 alternatives, and
+    `top_logprobs` > 0 without `logprobs: true` is a 400, as it would silently give nothing."""
+    if not chat:
+        k = json_field(body, "logprobs", (int,))
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ApiError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(k)[:40]}", "logprobs")
+        return -1 if k is None else k
+    on = json_field(body, "logprobs", (bool,), False)
+    top = json_field(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(top)[:40]}",
+                       "top_logprobs")
+    if top and not on:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else -1

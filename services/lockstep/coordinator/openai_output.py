@@ -11,22 +11,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from lockstep.coordinator.choices import collect_choices, interleave, open_choices
 from lockstep.coordinator.generation import ApiError, Completion, Frontend, GenerateSpec, TextPiece, json_field
-from lockstep.coordinator.openai_fields import stream_options
+from lockstep.coordinator.openai_fields import logprobs_asked, stream_options
+from lockstep.steps import TokenLogprobs
+from lockstep.tokenizer import Tokenizer
 
 log = logging.getLogger("lockstep.api")
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2  # how soon a client that hung up has its request aborted
+LOGPROB_FLOOR = -9999.0  # what -inf (and NaN) render as: JSON has no infinity (vLLM's and OpenAI's value)
 
 
 class ClientGone(Exception):
@@ -40,6 +44,7 @@ class Shape:
     chat: bool
     token_ids: bool = False
     echo: str = ""  # completions' echo: the prompt's text, put before each choice's text
+    logprobs: int = -1  # top logprobs per token (-1: no logprobs at all)
 
     @property
     def kind(self) -> str:
@@ -77,23 +82,28 @@ async def respond(request: web.Request, frontend: Frontend, body: dict, spec: Ge
     """Queue the request's n choices (a refusal is an HTTP status, before any output) and answer with them."""
     stream = json_field(body, "stream", (bool,), False)
     include_usage = stream_options(body)
+    k = logprobs_asked(body, shape.chat)
+    if k >= 0:  # the ranks compute them where they sample (SamplingParams.logprobs)
+        spec, shape = replace(spec, sampling=replace(spec.sampling, logprobs=k)), replace(shape, logprobs=k)
     rid = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
     base = {"id": rid, "created": int(time.time()), "model": frontend.model_name}
     choices = await open_choices(frontend, rid, spec)
     try:
         if not stream:
             done = await unless_gone(request, collect_choices(choices.streams))
-            return web.json_response(whole(base, spec, done, shape))
-        return await _event_stream(request, base, spec, choices.streams, shape, include_usage)
+            return web.json_response(whole(base, spec, done, shape, frontend.tokenizer))
+        return await _event_stream(request, base, spec, choices.streams, shape, include_usage, frontend.tokenizer)
     finally:
         await choices.aclose()  # a no-op once every choice ended; else (a client gone) each is aborted
 
 
-def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Shape) -> dict:
-    """The body of a non-streaming answer."""
+def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Shape, tokenizer: Tokenizer) -> dict:
+    """The body of a non-streaming answer (the tokenizer renders logprobs' tokens, when asked for)."""
     choices = []
     for i, one in enumerate(done):
-        choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "logprobs": None}
+        lps = None if shape.logprobs < 0 else render_logprobs(
+            tokenizer, shape, one.token_ids, one.logprobs, len(shape.echo))[0]
+        choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "logprobs": lps}
         if shape.chat:
             choice["message"] = {"role": "assistant", "content": one.text}
         else:
@@ -110,11 +120,11 @@ def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Sha
 
 async def _event_stream(request: web.Request, base: dict, spec: GenerateSpec,
                         streams: Sequence[AsyncGenerator[TextPiece, None]], shape: Shape,
-                        include_usage: bool) -> web.StreamResponse:
+                        include_usage: bool, tokenizer: Tokenizer) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await resp.prepare(request)
-        n_out, cached = await unless_gone(request, _write_chunks(resp, base, spec, streams, shape))
+        n_out, cached = await unless_gone(request, _write_chunks(resp, base, spec, streams, shape, tokenizer))
     except (ConnectionResetError, ClientGone):
         log.info("client of %s went away; its request is aborted", base["id"])
         return resp
@@ -133,17 +143,22 @@ async def _event_stream(request: web.Request, base: dict, spec: GenerateSpec,
 
 
 async def _write_chunks(resp: web.StreamResponse, base: dict, spec: GenerateSpec,
-                        streams: Sequence[AsyncGenerator[TextPiece, None]], shape: Shape) -> tuple[int, int]:
+                        streams: Sequence[AsyncGenerator[TextPiece, None]], shape: Shape, tokenizer: Tokenizer
+                        ) -> tuple[int, int]:
     """One server-sent event per text piece of any choice; returns the tokens sent (all choices) and the cached
-    prompt tokens (of choice 0, as for n=1)."""
+    prompt tokens (of choice 0, as for n=1). A piece's tokens' logprobs go in its chunk (vLLM's way), their
+    text_offset counting on from the choice's previous chunks."""
     kind = shape.kind + ".chunk" if shape.chat else shape.kind
     started = [False] * len(streams)
-    n_out, cached = 0, [0] * len(streams)
+    n_out, cached, offsets = 0, [0] * len(streams), [len(shape.echo)] * len(streams)
     async with aclosing(interleave(streams)) as pieces:
         async for i, piece in pieces:
             n_out += len(piece.token_ids)
             cached[i] = piece.cached_tokens
             choice = _stream_choice(i, piece, shape, not started[i])
+            if shape.logprobs >= 0:
+                choice["logprobs"], offsets[i] = render_logprobs(tokenizer, shape, piece.token_ids, piece.logprobs,
+                                                                 offsets[i])
             chunk = {**base, "object": kind, "choices": [choice]}
             if shape.token_ids and not any(started):
                 chunk["prompt_token_ids"] = spec.prompt_ids
@@ -164,6 +179,57 @@ def _stream_choice(index: int, piece: TextPiece, shape: Shape, first: bool) -> d
     if shape.token_ids:
         choice["token_ids"] = piece.token_ids
     return choice
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token as text, as vLLM shows it in logprobs (decoded alone, special tokens kept); an id past the
+    tokenizer's vocabulary (a padded embedding) has none."""
+    try:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    except ValueError:
+        return ""
+
+
+def _logprob(value: float | None) -> float | None:
+    """A logprob JSON can carry: no lower than LOGPROB_FLOOR, which -inf and NaN become (vLLM's rule)."""
+    if value is None:
+        return None
+    return max(value, LOGPROB_FLOOR) if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def render_logprobs(tokenizer: Tokenizer, shape: Shape, token_ids: Sequence[int],
+                    logprobs: Sequence[TokenLogprobs | None], offset: int) -> tuple[dict, int]:
+    """(a choice's `logprobs` for these tokens, the text offset after them). Chat: OpenAI's `content` entries,
+    each with the `top_logprobs` k most likely. Completions: the legacy parallel lists, where each position's
+    `top_logprobs` holds the k most likely and the sampled token (so up to k + 1 entries, as OpenAI and vLLM)."""
+    texts: dict[int, str] = {}
+
+    def text(t: int) -> str:
+        if t not in texts:
+            texts[t] = token_text(tokenizer, t)
+        return texts[t]
+
+    lps = list(logprobs) + [None] * (len(token_ids) - len(logprobs))
+    if shape.chat:
+        content = [{"token": text(t), "logprob": _logprob(lp.logprob if lp else None),
+                    "bytes": list(text(t).encode()),
+                    "top_logprobs": [{"token": text(i), "logprob": _logprob(v), "bytes": list(text(i).encode())}
+                                     for i, v in (lp.top[:shape.logprobs] if lp else ())]}
+                   for t, lp in zip(token_ids, lps, strict=True)]
+        return {"content": content}, offset
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp in zip(token_ids, lps, strict=True):
+        out["tokens"].append(text(t))
+        out["token_logprobs"].append(_logprob(lp.logprob if lp else None))
+        top: dict[str, float | None] = {}
+        for i, v in (lp.top[:shape.logprobs] if lp else ()):
+            top.setdefault(text(i), _logprob(v))
+        if lp is not None:
+            top.setdefault(text(t), _logprob(lp.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text(t))
+    return out, offset
 
 
 def usage(spec: GenerateSpec, completion: int, cached: int) -> dict:

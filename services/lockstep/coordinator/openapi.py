@@ -59,6 +59,11 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
         "messages": {"type": "array", "minItems": 1, "items": message,
                      "description": "rendered by the model's chat template; content is text only"},
         "echo": {**BOOL, "description": "put the prompt's text before each choice's text (without logprobs)"},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+                     "description": "each generated token's logprob (of the raw logits) and the k most likely "
+                                    "tokens' (top_logprobs also holds the sampled token: up to k + 1)"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+                         "description": "the k most likely tokens at each position (needs logprobs: true)"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
                        "description": "default: up to the context length"},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
@@ -92,6 +97,8 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) ->
     known = _field_schemas(model, max_model_len, vocab)
     if endpoint == "tokenize":
         known["prompt"] = {**STR, "description": "the text to tokenize"}
+    if endpoint == "chat":
+        known["logprobs"] = {**BOOL, "description": "each generated token's logprob (of the raw logits)"}
     props = {name: _nullable(known[name]) for name in IMPLEMENTED[endpoint]}
     for name, values in NOOP[endpoint].items():
         props[name] = {"enum": [None, *values], "description": "not implemented: accepted only at this value"}
@@ -99,7 +106,19 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) ->
                 "detokenize": ["tokens"]}.get(endpoint, [])
     for name in required:
         props[name] = known[name]
-    return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
+    schema = {"type": "object", "additionalProperties": False, "required": required, "properties": props}
+    if endpoint in _TOGETHER:
+        schema["anyOf"] = _TOGETHER[endpoint]
+    return schema
+
+
+# What one field allows only with another: echo with logprobs needs prompt logprobs, which are not computed;
+# top_logprobs > 0 needs logprobs: true (vLLM's rule).
+_TOGETHER = {
+    "completions": [{"properties": {"echo": {"enum": [None, False]}}}, {"properties": {"logprobs": NULL}}],
+    "chat": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
+             {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}],
+}
 
 
 def _responses() -> dict[str, dict]:
@@ -124,6 +143,18 @@ def _schemas() -> dict[str, dict]:
     ids = {"type": "array", "items": INT}
     message = {"type": "object", "required": ["role", "content"], "properties": {"role": STR, "content": STR}}
     common = {"id": STR, "created": INT, "model": STR, "usage": usage, "prompt_token_ids": ids}
+    logprob = {"type": ["number", "null"]}
+    legacy = _nullable({"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                        "properties": {"tokens": {"type": "array", "items": STR},
+                                       "token_logprobs": {"type": "array", "items": logprob},
+                                       "top_logprobs": {"type": "array", "items": {
+                                           "type": "object", "additionalProperties": logprob}},
+                                       "text_offset": ids}})
+    alt = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
+        "token": STR, "logprob": logprob, "bytes": ids}}
+    content = {"type": "array", "items": {**alt, "required": [*alt["required"], "top_logprobs"], "properties": {
+        **alt["properties"], "top_logprobs": {"type": "array", "items": alt}}}}
+    chat_lps = _nullable({"type": "object", "required": ["content"], "properties": {"content": content}})
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type"], "properties": {
@@ -131,11 +162,11 @@ def _schemas() -> dict[str, dict]:
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "text_completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": NULL, "token_ids": ids}}}}},
+                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": legacy, "token_ids": ids}}}}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "chat.completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-                    "index": INT, "message": message, "finish_reason": reason, "logprobs": NULL,
+                    "index": INT, "message": message, "finish_reason": reason, "logprobs": chat_lps,
                     "token_ids": ids}}}}},
         "Models": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {

@@ -22,6 +22,16 @@ Split = dict[str, int]
 
 
 @dataclass(frozen=True)
+class Move:
+    """What a rebalance plan carries: a new split (every pool's total), or a fence on the pool about to
+    shrink (its pages at or above the fence are not handed out, so the ones held there drain)."""
+
+    split: Split | None = None
+    fence: Split | None = None
+    lift: bool = False  # the fence is lifted (its level is the largest total: nothing fenced anywhere)
+
+
+@dataclass(frozen=True)
 class RebalancePolicy:
     """When to check (defaults in the spirit of TensorRT-LLM's: every 10 steps, 120 s apart, after 2000
     finished requests, when a pool is off its target by more than 1.25x)."""
@@ -32,6 +42,7 @@ class RebalancePolicy:
     min_samples: int = 2000
     threshold: float = 1.25
     min_move: float = 0.02  # a clamped move below this share of the shrinking pool waits for a better time
+    fence_checks: int = 30  # checks a fence may wait for its pages to drain before a partial move lifts it
 
     def __post_init__(self) -> None:
         if type(self.interval_steps) is not int or self.interval_steps < 1:
@@ -102,40 +113,78 @@ class Rebalancer:
         self.last_time: float | None = None
         self.refused: set[tuple[tuple[str, int], ...]] = set()
         self.reason = ""
+        self.target: Split = {}  # the split a fence is preparing
+        self.fence: Split | None = None  # the fence up on the ranks, {pool: level}
+        self.fence_checks = 0
 
     def sample(self, positions: int) -> None:
         """A request finished after holding `positions` positions."""
         self.uses.append(request_pages(positions, self.page_size, self.window))
 
-    def decide(self, step: int, now: float, reports: Sequence[Report]) -> Split | None:
-        """The exact split every rank moves to at plan `step`, or None (no check due, or no move worth it)."""
+    def decide(self, step: int, now: float, reports: Sequence[Report]) -> Move | None:
+        """What plan `step` carries out, or None (no check due, or no move worth it now).
+
+        When the pages held at the top of the pool to shrink keep the move short of its target, the pool is
+        fenced first: nothing new is handed out above the target, and once what is held there has drained
+        (or after `fence_checks` checks, with what can be moved then) the split follows.
+        """
         p = self.policy
         if not p.enabled or not reports or step % p.interval_steps:
             return None
+        if self.fence is not None:
+            return self._after_fence(reports)
         if self.last_time is not None and now - self.last_time < p.cooldown_s:
             return None
         if len(self.uses) < max(1, p.min_samples):
             return None
-        pools = {q.pool: q for q in reports[0].pools}
         budget = min(sum(q.total * self.cost[q.pool] for q in r.pools) for r in reports)
         target = target_split(self.uses, budget, self.cost, self.floors)
-        current = {name: q.total for name, q in pools.items()}
+        current = {q.pool: q.total for q in reports[0].pools}
         if off_by(current, target) <= p.threshold:
-            return None
-        split = clamp(target, reports, self.cost, p.min_move)
-        if split is None or tuple(sorted(split.items())) in self.refused:
             return None
         self.reason = (f"{len(self.uses)} finished requests held {_mean(self.uses, POOL_FULL):.1f} full and "
                        f"{_mean(self.uses, POOL_SLIDING):.1f} sliding pages on average; target {target}")
-        return split
+        shrink = POOL_FULL if target[POOL_FULL] < current[POOL_FULL] else POOL_SLIDING
+        if _lowest(reports, shrink) > target[shrink]:
+            self.target = target
+            return Move(fence={shrink: target[shrink]})
+        split = clamp(target, reports, self.cost, p.min_move)
+        if split is None or tuple(sorted(split.items())) in self.refused:
+            return None
+        return Move(split=split)
 
-    def applied(self, split: Split, ok: bool, now: float) -> None:
-        """The group carried the split out (a new cooldown and sample start), or refused it (never sent again)."""
-        if ok:
-            self.last_time = now
-            self.uses.clear()
-        else:
-            self.refused.add(tuple(sorted(split.items())))
+    def _after_fence(self, reports: Sequence[Report]) -> Move | None:
+        """The split once the fenced pages drained; after too many checks, what can move then."""
+        (shrink, level), = self.fence.items()
+        self.fence_checks += 1
+        if _lowest(reports, shrink) > level and self.fence_checks < self.policy.fence_checks:
+            return None
+        split = clamp(self.target, reports, self.cost, self.policy.min_move)
+        if split is None or tuple(sorted(split.items())) in self.refused:
+            top = max(q.total for r in reports for q in r.pools if q.pool == shrink)
+            return Move(fence={shrink: top}, lift=True)
+        return Move(split=split)
+
+    def applied(self, move: Move, ok: bool, now: float) -> None:
+        """The group carried the move out (a split: a new cooldown and sample start), or refused it (a
+        refused split is never sent again)."""
+        if move.split is not None:
+            if ok:
+                self.last_time = now
+                self.uses.clear()
+            else:
+                self.refused.add(tuple(sorted(move.split.items())))
+            self.fence, self.fence_checks = None, 0
+        elif move.fence is not None:
+            self.fence = dict(move.fence) if ok and not move.lift else None
+            self.fence_checks = 0
+            if move.lift:  # the pages never drained: a new cooldown before the next try
+                self.last_time = now
+
+
+def _lowest(reports: Sequence[Report], pool: str) -> int:
+    """The smallest size `pool` can shrink to now on every rank: above it, some rank holds a page."""
+    return max(q.total - q.movable for r in reports for q in r.pools if q.pool == pool)
 
 
 def _mean(uses: Sequence[Split], pool: str) -> float:

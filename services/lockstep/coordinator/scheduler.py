@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from lockstep.coordinator.admission import AdmissionControl, Decision
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event, EventKind
-from lockstep.coordinator.rebalance import Rebalancer
+from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
 from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
@@ -84,6 +84,7 @@ class Scheduler:
         self.rebalancer = rebalancer
         self.rebalances = 0  # rebalances carried out (the service exports them)
         self._now = 0.0
+        self._move: Move | None = None  # the rebalance of the plan in flight
         self.stats = SchedulerStats(prefix_offered_pages=[0] * ranks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -193,12 +194,14 @@ class Scheduler:
         reports = self._pools.fill(self._check_plan_reports(step, reports))
         releases, self._releases = self._releases, []
         self._now = now
-        split = None
+        move = None
         if reports and not flush and self.rebalancer is not None:
-            split = self.rebalancer.decide(step, now, reports)
-        if split is not None:
+            move = self.rebalancer.decide(step, now, reports)
+        if move is not None:
+            self._move = move
             self._last_plan = Plan(step, releases=tuple(dict.fromkeys(releases)),
-                                   pool_split=tuple(sorted(split.items())))
+                                   pool_split=tuple(sorted((move.split or {}).items())),
+                                   pool_fence=tuple(sorted((move.fence or {}).items())))
             return self._last_plan
         batch: dict[str, Chunk] = {}
         admits: list[Admit] = []
@@ -377,9 +380,9 @@ class Scheduler:
         self._applied = step
         events, self._events = self._events, []
         failed = [r for r in ordered if r.error]
-        if plan.pool_split and self.rebalancer is not None:
-            self.rebalancer.applied(dict(plan.pool_split), not failed, self._now)
-            self.rebalances += not failed
+        if (plan.pool_split or plan.pool_fence) and self.rebalancer is not None:
+            self.rebalancer.applied(self._move, not failed, self._now)
+            self.rebalances += bool(plan.pool_split) and not failed
         if failed:
             self._apply_failure(plan, ordered, failed, events)
         else:
@@ -408,10 +411,7 @@ class Scheduler:
         for report in reports:
             for answer in report.probes:
                 self._book.record(report.step, report.rank, answer)
-        sampled: dict[str, int] = {}
-        for report in reports:
-            for s in report.sampled:
-                sampled.setdefault(s.request_id, s.token_id)
+        sampled = {s.request_id: s for report in reversed(reports) for s in report.sampled}  # the first rank's
         for chunk in plan.batch:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -421,12 +421,12 @@ class Scheduler:
             req.num_computed = chunk.start + len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            token = sampled.get(req.request_id)
-            if token is None:
+            got = sampled.get(req.request_id)
+            if got is None:
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
-            reason = req.append(token)
-            events.append(Event(req.request_id, TOKEN, token_id=token))
+            reason = req.append(got.token_id)
+            events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs))
             if reason is not None:
                 events.append(self._finish(req, reason))
 

@@ -1,7 +1,8 @@
 """The coordinator: its groups, request routing, and the bridge from scheduler events to clients.
 
 Each group keeps its own step loop and its own decisions; no agreement spans two groups. A request
-goes to the least-loaded group whose ranks are all up; a group that is down takes no new requests.
+goes to a serving group that coordinator/routing.py picks (the group last sent its prefix, unless far
+busier; else the least loaded); a group that is down or draining takes no new requests.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from lockstep.coordinator.group import GroupDown, GroupRunner
 from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
+from lockstep.coordinator.routing import GroupLoad, PrefixRouter, RoutingPolicy
 from lockstep.coordinator.scheduler import Scheduler
-from lockstep.kv.page_keys import key_salt
+from lockstep.kv.page_keys import key_salt, page_keys
 from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
 from lockstep.steps import RankInfo
 from lockstep.tokenizer import Tokenizer
@@ -86,6 +88,8 @@ class Coordinator:
         self.live: dict[str, _Live] = {}
         self._parked: dict[str, tuple[Request, str]] = {}
         self.group_up_listeners: list[Callable[[str], None]] = []  # e.g. `lockstep serve`'s supervisors
+        self.router = PrefixRouter(config.page_size, RoutingPolicy(config.routing))
+        self._routing_salt = key_salt(model_name or "model", config.page_size, "lockstep-routing")
 
     def start(self) -> None:
         """Start every group's loop; each connects on its own, so one group that is down never holds
@@ -140,7 +144,9 @@ class Coordinator:
         return any(g.up for g in self.groups.values())
 
     def health_detail(self) -> dict:
-        return {name: {"up": g.up, "reason": g.down_reason, "step": g.step} for name, g in self.groups.items()}
+        """Per group: up, why not, its step, and whether it is drained (an operator that restarted reads it here)."""
+        return {name: {"up": g.up, "reason": g.down_reason, "step": g.step, "draining": g.draining}
+                for name, g in self.groups.items()}
 
     def metrics_text(self) -> bytes:
         for name, g in self.groups.items():
@@ -150,11 +156,15 @@ class Coordinator:
         return self.metrics.render()
 
     async def reset_prefix_cache(self, rank: int | None) -> None:
+        flushed = [g for g in self.groups.values() if g.up]
         try:
-            await asyncio.gather(*(g.flush(rank) for g in self.groups.values() if g.up))
+            await asyncio.gather(*(g.flush(rank) for g in flushed))
         except GroupDown as exc:
             raise ApiError(503, f"the flush did not complete: {exc}", code="group_unavailable",
                            err_type="service_unavailable") from exc
+        finally:
+            for g in flushed:  # a group agrees on what all its ranks hold: one flushed rank spoils its prefixes
+                self.router.forget(g.name)
 
     async def drain(self, group: str, migrate: bool = False) -> dict:
         """Stop routing new requests to `group` and return once it holds nothing (with `migrate`, its
@@ -188,6 +198,7 @@ class Coordinator:
         """A group went down: its requests go on in other groups that are up, recomputed from what they had.
         Those no group can take now wait up to `replay_timeout` for one (the operator, or `lockstep serve`,
         recreates a broken group), and past it end with a retriable error."""
+        self.router.forget(group)  # it comes back with new ranks (or moved its requests off): no prefix counts
         self._place([r for r in requests if r.request_id in self.live], reason, exclude=group)
 
     def _place(self, requests: list[Request], reason: str, exclude: str = "") -> None:
@@ -245,14 +256,20 @@ class Coordinator:
             req, reason = parked
             self._fail(req, f"{reason}; no group came back within {self.config.replay_timeout:.0f} s")
 
-    def _pick_group(self) -> GroupRunner:
-        up = [g for g in self.groups.values() if g.serving]
-        if not up:
+    def _pick_group(self, spec: GenerateSpec) -> tuple[GroupRunner, str, list[bytes]]:
+        """The serving group for a new request, why it was chosen, and the prompt's routing page keys (to
+        record once the group took the request): coordinator/routing.py decides, from load and prefixes."""
+        keys = (page_keys(spec.prompt_ids[: self.router.policy.max_pages * self.config.page_size],
+                          self.config.page_size, self._routing_salt) if self.router.wants_keys else [])
+        need = len(spec.prompt_ids) + (spec.max_tokens - 1 if spec.max_tokens_given else 0)
+        loads = [GroupLoad(name, g.load, g.serving, g.capacity_tokens) for name, g in self.groups.items()]
+        route = self.router.choose(keys, loads, len(spec.prompt_ids), need)
+        if route is None:
             reasons = "; ".join(f"group {g.name} is draining" if g.draining and g.up else g.down_reason
                                 for g in self.groups.values()) or "no group is up"
             raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
                            err_type="service_unavailable")
-        return min(up, key=lambda g: g.load)
+        return self.groups[route.group], route.reason, keys
 
     def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
@@ -265,7 +282,7 @@ class Coordinator:
             raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting already "
                                 f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
                            code="server_overloaded", err_type="service_unavailable")
-        group = self._pick_group()
+        group, reason, keys = self._pick_group(spec)
         max_tokens = spec.max_tokens
         if not spec.max_tokens_given and group.capacity_tokens:  # "up to the context" means what fits
             max_tokens = max(1, min(max_tokens, group.capacity_tokens - len(spec.prompt_ids)))
@@ -278,7 +295,8 @@ class Coordinator:
             raise ApiError(400, too_large, "max_tokens", "request_too_large")
         group.submit(request)
         self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids))
-        self.metrics.routing_decisions.labels(group.name, "least_loaded").inc()
+        self.metrics.routing_decisions.labels(group.name, reason).inc()
+        self.router.record(keys, group.name)
         return RequestEvents(self, request_id)
 
     def _end(self, request_id: str, finished: bool) -> None:
@@ -302,7 +320,7 @@ class Coordinator:
                     self.metrics.itl.labels(group).observe(now - live.last_token_at)
                 live.last_token_at = now
                 self.metrics.generation_tokens.labels(group).inc()
-                live.queue.put_nowait(TokenEvent(ev.token_id, None, cached))
+                live.queue.put_nowait(TokenEvent(ev.token_id, None, cached, logprobs=ev.logprobs))
             elif ev.kind == EventKind.FINISHED:
                 cached = live.request.cached_tokens
                 if ev.finish_reason == FinishReason.ERROR:

@@ -60,6 +60,8 @@ class PagePool:
         self.name = name
         self.num_pages = _count("num_pages", num_pages)
         self._free: list[int] = list(range(num_pages))  # a heap: the lowest free page is handed out first
+        self._limit = num_pages  # a fence: pages at or above it are not handed out (a pool about to shrink)
+        self._fenced: set[int] = set()  # free pages at or above the fence
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_pages
         self._held = bytearray(num_pages)  # 1 where a page is referenced: finds the top held page in C
@@ -68,16 +70,45 @@ class PagePool:
         self._pinned = 0
 
     def stats(self) -> PoolState:
-        free, evictable = len(self._free), len(self._evictable)
+        free, evictable, fenced = len(self._free), len(self._evictable), len(self._fenced)
         return PoolState(
             pool=self.name,
             total=self.num_pages,
             free=free,
             evictable=evictable,
-            used=self.num_pages - free - evictable,
+            used=self.num_pages - free - evictable - fenced,
             pinned=self._pinned,
             movable=self.movable(),
+            fenced=fenced,
         )
+
+    @property
+    def fence(self) -> int:
+        """Pages below the fence are handed out; num_pages when there is no fence."""
+        return self._limit
+
+    def set_fence(self, limit: int) -> None:
+        """Hand out no page at or above `limit` from now on, so that the pages held there drain as their
+        requests finish and a later `resize` can take them; cached pages there are evicted now, and pages
+        released there are freed rather than cached. `limit` = num_pages lifts the fence."""
+        if type(limit) is not int or not 1 <= limit <= self.num_pages:
+            raise ValueError(f"pool {self.name!r}: a fence must be in 1..{self.num_pages}, got {limit!r}")
+        self._limit = limit
+        for page in [p for p in self._evictable if p >= limit]:
+            del self._evictable[page]
+            self._index.remove(page)
+            self._fenced.add(page)
+        back = [p for p in self._fenced if p < limit]
+        self._fenced = {p for p in self._fenced if p >= limit} | {p for p in self._free if p >= limit}
+        self._free = [p for p in self._free if p < limit] + back
+        heapq.heapify(self._free)
+
+    def _give_back(self, page: int) -> None:
+        """A page nobody references and no index names: free, or fenced when it sits above the fence."""
+        if page >= self._limit:
+            self._fenced.add(page)
+        else:
+            heapq.heappush(self._free, page)
 
     def movable(self) -> int:
         """Pages at the top of the pool that no owner references: what `resize` may take away now."""
@@ -97,9 +128,11 @@ class PagePool:
             if page in self._evictable:
                 del self._evictable[page]
                 self._index.remove(page)
-        self._free = [p for p in self._free if p < num_pages]
+        self._free = [p for p in (*self._free, *self._fenced) if p < num_pages]
         self._free.extend(range(self.num_pages, num_pages))
         heapq.heapify(self._free)
+        self._fenced = set()
+        self._limit = num_pages  # the split that a fence prepared lifts it
         self._refs = self._refs[:num_pages] + [0] * max(0, num_pages - self.num_pages)
         self._held = self._held[:num_pages] + bytearray(max(0, num_pages - self.num_pages))
         self.num_pages = num_pages
@@ -208,11 +241,13 @@ class PagePool:
         if self._refs[page]:
             return
         self._held[page] = 0
-        if self._index.key_of(page) is None:
-            heapq.heappush(self._free, page)
-        else:
-            self._evictable[page] = None
+        if self._index.key_of(page) is not None:
             self._pinned -= 1
+            if page < self._limit:
+                self._evictable[page] = None
+                return
+            self._index.remove(page)
+        self._give_back(page)
 
     def drop_front(self, owner: str, n: int) -> None:
         """Drop `owner`'s references on the first n pages of its table (a window moved past them); those
@@ -231,7 +266,7 @@ class PagePool:
         for _ in range(evicted):
             page, _ = self._evictable.popitem(last=False)
             self._index.remove(page)
-            heapq.heappush(self._free, page)
+            self._give_back(page)
         return evicted
 
     def flush(self) -> int:
@@ -263,9 +298,12 @@ class PagePool:
             raise AssertionError(f"{self.name}: a table holds a page outside 0..{n - 1}")
         if any(bool(self._held[p]) != bool(self._refs[p]) for p in range(n)) or len(self._held) != n:
             raise AssertionError(f"{self.name}: the held flags disagree with the refcounts")
-        free, evictable = set(self._free), set(self._evictable)
+        lim = self._limit
+        if any(p >= lim for p in (*self._free, *self._evictable)) or any(p < lim for p in self._fenced):
+            raise AssertionError(f"{self.name}: a page above the fence {lim} can be handed out, or one below is fenced")
+        free, evictable = set(self._free) | self._fenced, set(self._evictable)
         used = {p for p in range(n) if self._refs[p]}
-        if len(free) != len(self._free):
+        if len(free) != len(self._free) + len(self._fenced):
             raise AssertionError(f"{self.name}: the free list holds a page twice")
         if free & evictable or free & used or evictable & used:
             raise AssertionError(

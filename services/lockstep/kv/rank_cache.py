@@ -87,7 +87,7 @@ class RankCache:
         self.window = window
         self._seqs: dict[str, _Sequence] = {}
         self._admitted: list[str] = []  # this step's admits that were pinned: undone if the group refuses
-        self._resized: dict[str, int] = {}  # this step's rebalance: each pool's total before it
+        self._resized: dict[str, tuple[int, int]] = {}  # this step's rebalance: each pool's (total, fence) before
 
     @property
     def pool(self) -> PagePool:
@@ -101,14 +101,14 @@ class RankCache:
         pinned stays until `undo_admits`. Any exception becomes StepRefused: a rank must still reach the
         group's agreement, or its peers would wait for it in that collective forever.
         """
-        self._admitted = []
+        self._admitted, self._resized = [], {}
         if plan.abstain:
             raise StepRefused(f"rank {self.rank} abstains from step {plan.step}: its coordinator is catching it "
                               "up to the step its peers are in")
         self._release(plan)
         try:
-            if plan.pool_split:
-                self._resize(plan)
+            if plan.pool_split or plan.pool_fence:
+                self._rebalance(plan)
                 return
             for admit in plan.admits:
                 self._admit(admit)
@@ -129,8 +129,9 @@ class RankCache:
         for request_id in self._admitted:
             self._drop(request_id)
         self._admitted = []
-        for name, total in self._resized.items():  # nothing was allocated after it: the pages are unheld
+        for name, (total, fence) in self._resized.items():  # nothing was allocated after it: the pages are unheld
             self.pools[name].resize(total)
+            self.pools[name].set_fence(fence)
         self._resized = {}
 
     def table(self, request_id: str, pool: str = POOL_FULL) -> list[int]:
@@ -215,22 +216,27 @@ class RankCache:
             if POOL_SLIDING in self.pools and seq.first != first_page(seq.length, self.window, self.page_size):
                 raise AssertionError(f"{request_id}: holds sliding pages from {seq.first} at length {seq.length}")
 
-    def _resize(self, plan: Plan) -> None:
-        """A rebalance: every pool to its new total, all or none, in a plan that carries nothing else (so a
-        group that refuses it undoes it whole). A pool shrinks only by pages no live request holds."""
-        split = dict(plan.pool_split)
+    def _rebalance(self, plan: Plan) -> None:
+        """A rebalance: every pool to its new total and fence, all or none, in a plan that carries nothing else
+        (so a group that refuses it undoes it whole). A pool shrinks only by pages no live request holds."""
+        split, fence = dict(plan.pool_split), dict(plan.pool_fence)
         if plan.admits or plan.batch or plan.probes:
             raise StepRefused(f"step {plan.step} carries a rebalance and work; a rebalance step carries no work")
-        if split.keys() != self.pools.keys():
-            raise StepRefused(f"the rebalance names pools {sorted(split)}; this rank has {sorted(self.pools)}")
-        for name, total in split.items():
-            pool = self.pools[name]
-            if type(total) is not int or total < pool.num_pages - pool.movable() or total < 1:
+        if not split.keys() <= self.pools.keys() or not fence.keys() <= self.pools.keys():
+            raise StepRefused(f"the rebalance names pools {sorted(split | fence)}; this rank has {sorted(self.pools)}")
+        for name, pool in self.pools.items():
+            total = split.get(name, pool.num_pages)
+            if type(total) is not int or total < max(1, pool.num_pages - pool.movable()):
                 raise StepRefused(f"pool {name!r} cannot take {total!r} pages: pages up to "
                                   f"{pool.num_pages - pool.movable() - 1} are held by live requests")
-        for name, total in split.items():
-            self._resized[name] = self.pools[name].num_pages
-            self.pools[name].resize(total)
+            if type(fence.get(name, total)) is not int or fence.get(name, total) < 1:
+                raise StepRefused(f"pool {name!r}: fence {fence[name]!r} is not a page count >= 1")
+        for name, pool in self.pools.items():
+            self._resized[name] = (pool.num_pages, pool.fence)
+            if name in split:
+                pool.resize(split[name])
+            if name in fence:  # a fence at or above this rank's total leaves all of it to hand out
+                pool.set_fence(min(fence[name], pool.num_pages))
 
     def _drop(self, request_id: str) -> None:
         for pool in self.pools.values():

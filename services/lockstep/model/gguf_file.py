@@ -84,3 +84,14 @@ def check_shapes(gguf: GGUFFile, weights: dict[str, np.ndarray], want: dict[str,
         if tuple(w.shape) != want[name]:
             raise ValueError(f"{gguf.path.name}: {name} has shape {tuple(w.shape)}, "
                              f"the config implies {want[name]}")
+
+
+def special_token_ids(gguf: GGUFFile) -> dict[str, int]:
+    """The bos/eos/pad ids the GGUF names, under config.json's keys."""
+    out = {}
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        value = gguf.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            out[name] = int(value)
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from lockstep.model.gguf_file import GGUFFile, check_shapes
+from lockstep.model.gguf_file import GGUFFile, check_shapes, special_token_ids
 
 ARCH = "gemma3"
 _DEFAULT_PATTERN = 6
@@ -109,12 +109,7 @@ def gemma3_config(gguf: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "torch_dtype": "float32",
     }
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("padding_token_id", "pad_token_id")):
-        value = gguf.get(f"tokenizer.ggml.{key}")
-        if value is not None:
-            config[name] = int(value)
-    return config
+    return {**config, **special_token_ids(gguf)}
 
 
 def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from lockstep.model.gguf_file import GGUFFile, check_shapes
+from lockstep.model.gguf_file import GGUFFile, check_shapes, special_token_ids
 from lockstep.model.gguf_gemma3 import gemma3_config, gemma3_weights
 from lockstep.model.gguf_tokenizer import build_tokenizer, end_of_turn_ids
 
@@ -102,12 +102,7 @@ def _llama_config(gguf: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "torch_dtype": "float32",
     }
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("padding_token_id", "pad_token_id")):
-        value = gguf.get(f"tokenizer.ggml.{key}")
-        if value is not None:
-            config[name] = int(value)
-    return config
+    return {**config, **special_token_ids(gguf)}
 
 
 def _llama_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blockstep/v1/inference.proto\x12\x0blockstep.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcc\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.lockstep.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\"\x9b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.lockstep.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x32\xa6\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blockstep/v1/inference.proto\x12\x0blockstep.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xf0\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.lockstep.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x03H\x06\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"Y\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.lockstep.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.lockstep.v1.TokenLogprobs2\xa6\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_GENERATEREQUEST']._serialized_start=70
-  _globals['_GENERATEREQUEST']._serialized_end=402
-  _globals['_USAGE']._serialized_start=404
-  _globals['_USAGE']._serialized_end=506
-  _globals['_GENERATERESPONSE']._serialized_start=509
-  _globals['_GENERATERESPONSE']._serialized_end=664
-  _globals['_INFERENCESERVICE']._serialized_start=667
-  _globals['_INFERENCESERVICE']._serialized_end=833
+  _globals['_GENERATEREQUEST']._serialized_end=438
+  _globals['_TOKENLOGPROBS']._serialized_start=440
+  _globals['_TOKENLOGPROBS']._serialized_end=529
+  _globals['_USAGE']._serialized_start=531
+  _globals['_USAGE']._serialized_end=633
+  _globals['_GENERATERESPONSE']._serialized_start=636
+  _globals['_GENERATERESPONSE']._serialized_end=837
+  _globals['_INFERENCESERVICE']._serialized_start=840
+  _globals['_INFERENCESERVICE']._serialized_end=1006
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParamsMsg(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class AdmitMsg(_message.Message):
     __slots__ = ("request_id", "prefix_keys")
@@ -51,8 +53,15 @@ class ProbeMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
-    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain", "pool_split")
+    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain", "pool_split", "pool_fence")
     class PoolSplitEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PoolFenceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +77,7 @@ class PlanMsg(_message.Message):
     RELEASE_ALL_FIELD_NUMBER: _ClassVar[int]
     ABSTAIN_FIELD_NUMBER: _ClassVar[int]
     POOL_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FENCE_FIELD_NUMBER: _ClassVar[int]
     step: int
     releases: _containers.RepeatedScalarFieldContainer[str]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
@@ -77,7 +87,8 @@ class PlanMsg(_message.Message):
     release_all: bool
     abstain: bool
     pool_split: _containers.ScalarMap[str, int]
-    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pool_fence: _containers.ScalarMap[str, int]
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ..., pool_fence: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProbeAnswerMsg(_message.Message):
     __slots__ = ("request_id", "matched_pages", "pinned_pages", "sliding_runs", "sliding_pinned")
@@ -94,7 +105,7 @@ class ProbeAnswerMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., matched_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., sliding_runs: _Optional[_Iterable[int]] = ..., sliding_pinned: _Optional[int] = ...) -> None: ...
 
 class PoolStateMsg(_message.Message):
-    __slots__ = ("pool", "total", "free", "evictable", "used", "pinned", "movable")
+    __slots__ = ("pool", "total", "free", "evictable", "used", "pinned", "movable", "fenced")
     POOL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +113,7 @@ class PoolStateMsg(_message.Message):
     USED_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     MOVABLE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     total: int
     free: int
@@ -109,15 +121,22 @@ class PoolStateMsg(_message.Message):
     used: int
     pinned: int
     movable: int
-    def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ..., movable: _Optional[int] = ...) -> None: ...
+    fenced: int
+    def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ..., movable: _Optional[int] = ..., fenced: _Optional[int] = ...) -> None: ...
 
 class SampledMsg(_message.Message):
-    __slots__ = ("request_id", "token_id")
+    __slots__ = ("request_id", "token_id", "logprob", "top_ids", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReportMsg(_message.Message):
     __slots__ = ("step", "rank", "sampled", "probes", "pools", "error", "timings")
