@@ -198,6 +198,11 @@ def _routed(metrics: str, group: str) -> float:
                                             metrics))
 
 
+def _running(url: str, group: str) -> bool:
+    metrics = http("GET", url + "/metrics")[1]
+    return bool(re.search(rf'lockstep_requests\{{group="{group}",state="running"\}} [1-9]', metrics))
+
+
 def _groups_up(port: int) -> dict[str, bool]:
     try:
         return {name: g["up"] for name, g in http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[1].items()}
@@ -229,18 +234,25 @@ def test_serve_dp_runs_two_groups_and_recreates_only_the_one_whose_rank_died(tin
         assert len(ranks) == 2
         g1 = next(r for r in ranks if r.cmdline()[r.cmdline().index("--port") + 1] == g1_port)
         g0 = next(r for r in ranks if r is not g1)
+        routed = [_routed(http("GET", url + "/metrics")[1], g) for g in ("g0", "g1")]
         with ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(http, "POST", url + "/v1/completions", {**body, "stream": s}, 120)
                     for s in (False, True)]
-            time.sleep(0.4)
+            deadline = time.monotonic() + 20  # both running (a fast machine finishes 160 tokens in < 1 s)
+            while time.monotonic() < deadline and not all(_running(url, g) for g in ("g0", "g1")):
+                time.sleep(0.01)
             metrics = http("GET", url + "/metrics")[1]
-            assert _routed(metrics, "g0") >= 1 and _routed(metrics, "g1") >= 1, metrics
+            assert [_routed(metrics, g) - n for g, n in zip(("g0", "g1"), routed, strict=True)] == [1, 1], metrics
             g1.kill()
             results = [f.result(timeout=120) for f in futs]
         assert [r[0] for r in results] == [200, 200], results
         assert results[0][1]["choices"][0]["token_ids"] == undisturbed
         assert _sse_tokens(results[1][1]) == undisturbed
         assert g0.is_running() and g0 in psutil.Process(proc.pid).children(recursive=True)
+        deadline = time.monotonic() + 60
+        while "restarting the group" not in log_path.read_text():  # the supervisor saw g1's rank exit
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
         _wait_both_up(proc, port, log_path, 60)
         text = log_path.read_text()
         assert text.count("restarting the group") == 1 and "g1: rank 0 exited" in text, text
