@@ -261,12 +261,13 @@ def test_echo_puts_the_prompt_before_each_choice():
         assert mine[0].startswith("Hi there") and "".join(mine) == whole
 
 
-def test_echo_with_logprobs_is_refused_naming_echo():
+def test_echo_goes_with_logprobs_and_a_wrong_type_is_refused_naming_echo():
     from lockstep.coordinator.openai_fields import check_echo
 
     assert check_echo({"echo": True}) is True and check_echo({"echo": None}) is False
+    assert check_echo({"echo": True, "logprobs": 1}) is True  # the prompt's tokens are scored (test_logprobs.py)
     with pytest.raises(ApiError) as info:
-        check_echo({"echo": True, "logprobs": 1})
+        check_echo({"echo": 1, "logprobs": 1})
     assert (info.value.status, info.value.param) == (400, "echo")
 
 

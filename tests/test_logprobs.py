@@ -15,12 +15,15 @@ from checkpoints import random_prompt as prompt
 from cluster import Cluster, http
 
 TOL = 1e-4
+BUDGET = 24
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def group(tiny_llama, tmp_path_factory):
-    c = Cluster(tiny_llama, tp=2, kv_pages=128, log_dir=tmp_path_factory.mktemp("logs"))
+    # a small token budget: a prompt over BUDGET tokens is prefilled in chunks, which prompt logprobs must span
+    c = Cluster(tiny_llama, tp=2, kv_pages=128, log_dir=tmp_path_factory.mktemp("logs"),
+                coordinator_args=["--max-num-batched-tokens", str(BUDGET)])
     yield c
     c.close()
 
@@ -150,6 +153,111 @@ def test_each_of_n_choices_carries_its_own_tokens_logprobs(group, log_softmax, n
         assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # k = 0: the sampled token only
 
 
+# ----- echo with logprobs: the prompt's tokens are scored too (lm-eval's loglikelihood)
+
+
+def _check_echoed(lps: dict, ref: torch.Tensor, ids: list[int], k: int, text) -> None:
+    """The prompt's part of an echoed choice's logprobs: position i's is log_softmax(logits[i - 1])[ids[i]],
+    the first null; top_logprobs the k largest and the prompt token (up to k + 1), the first null."""
+    n = len(ids)
+    assert lps["tokens"][:n] == [text(t) for t in ids]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    for i in range(1, n):
+        assert lps["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=TOL), i
+        want: dict[str, float] = {}
+        for j in [*ref[i - 1].topk(k).indices.tolist(), ids[i]]:
+            want.setdefault(text(j), ref[i - 1, j].item())
+        top = lps["top_logprobs"][i]
+        assert top.keys() == want.keys() and list(top.values()) == pytest.approx(list(want.values()), abs=TOL), i
+    assert lps["text_offset"][0] == 0
+
+
+@pytest.fixture(scope="module")
+def text(tiny_llama):
+    from lockstep.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("length", [9, BUDGET * 3 + 5])  # one chunk; four chunks of prefill
+def test_echo_scores_every_prompt_token_as_transformers_does(group, log_softmax, text, no_leak, length):
+    ids, k = prompt(80 + length, length), 3
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "echo": True, "logprobs": k}
+    status, out = group.complete(body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    gen, lps = choice["token_ids"], choice["logprobs"]
+    assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["top_logprobs"]) == length + 3
+    ref = log_softmax(ids + gen)
+    _check_echoed(lps, ref, ids, k, text)
+    for i, t in enumerate(gen):  # then the generated tokens', as without echo
+        assert lps["token_logprobs"][length + i] == pytest.approx(ref[length - 1 + i, t].item(), abs=TOL)
+    assert gen == [int(ref[length - 1 + i].argmax()) for i in range(3)]
+    # the same prompt again, its pages now in every rank's prefix cache: computed again, the same numbers
+    status, warm = group.complete({"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 or length < 16, warm
+    status, again = group.complete(body)
+    assert status == 200, again
+    assert again["choices"][0]["logprobs"] == lps
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no cached position skipped
+    streamed = _stream(group, "/v1/completions", body)  # a stream's first chunk carries the prompt's
+    joined: dict[str, list] = {name: [] for name in lps}
+    for chunk in streamed:
+        for name, values in chunk["choices"][0]["logprobs"].items():
+            joined[name].extend(values)
+    assert joined == lps
+
+
+def test_lm_eval_loglikelihood_request(group, log_softmax, text, no_leak):
+    """What lm-eval's local-completions sends for loglikelihood (echo, logprobs 1, max_tokens 1, temperature 0,
+    token ids) and how it reads the answer: the continuation's logprobs are token_logprobs[ctxlen:-1]."""
+    context, continuation = prompt(90, 12), prompt(91, 5)
+    ids = context + continuation
+    status, out = group.complete({"prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+                                  "seed": 1234})
+    assert status == 200, out
+    lps = out["choices"][0]["logprobs"]
+    ref = log_softmax(ids)
+    got = sum(lps["token_logprobs"][len(context):-1])
+    want = sum(ref[i - 1, ids[i]].item() for i in range(len(context), len(ids)))
+    assert got == pytest.approx(want, abs=5 * TOL)
+    greedy = all(ref[i - 1].argmax().item() == ids[i] for i in range(len(context), len(ids)))
+    assert greedy == all(t == max(top.values()) for t, top in zip(lps["token_logprobs"][len(context):-1],
+                                                                   lps["top_logprobs"][len(context):-1], strict=True))
+
+
+def test_echo_logprobs_with_the_openai_client(group, log_softmax, text, no_leak):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=group.url + "/v1", api_key="none")
+    ids = prompt(92, 30)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=ids, max_tokens=2, echo=True,
+                                    logprobs=2, temperature=0)
+    lps = out.choices[0].logprobs
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None and len(lps.tokens) == 32
+    ref = log_softmax(ids)
+    assert lps.token_logprobs[1:30] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, 30)], abs=TOL)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=out.model, prompt=ids, max_tokens=2, echo=True, logprobs=21)
+
+
+def test_echo_of_a_one_token_prompt_and_of_n_choices(group, no_leak):
+    status, out = group.complete({"prompt": [7], "max_tokens": 2, "echo": True, "logprobs": 0, "temperature": 0,
+                                  "ignore_eos": True})
+    assert status == 200, out
+    lps = out["choices"][0]["logprobs"]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None and len(lps["tokens"]) == 3
+    ids = prompt(93, 20)
+    status, out = group.complete({"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1, "n": 2, "seed": 4,
+                                  "temperature": 1.0, "ignore_eos": True})
+    assert status == 200, out
+    a, b = (c["logprobs"] for c in out["choices"])
+    # both choices score the prompt (batched together, so equal up to the batch layout's rounding)
+    assert a["token_logprobs"][1:20] == pytest.approx(b["token_logprobs"][1:20], abs=TOL)
+    assert [top.keys() for top in a["top_logprobs"][1:20]] == [top.keys() for top in b["top_logprobs"][1:20]]
+
+
 # ----- the coordinator's side, without ranks: the first rank's entry reaches the TOKEN event
 
 
@@ -177,3 +285,111 @@ def test_the_scheduler_forwards_the_first_ranks_logprobs_into_token_events():
     tokens = [e for e in g.events if e.kind == TOKEN]
     assert len(tokens) == 3 and asked == [2, 2, 2]  # the chunks ask the ranks for them
     assert all(e.logprobs == TokenLogprobs(-0.5, ((e.token_id, -0.5), (1, -9.0))) for e in tokens)
+
+
+def _scored_by_position(plan_box: list) -> object:
+    """A tamper that has each rank score the chunks that ask: the entry of position p says -(p + 1) on the
+    first rank (and nonsense on the others, which must not come through)."""
+    from dataclasses import replace
+
+    from lockstep.steps import PromptLogprobs, TokenLogprobs
+
+    def tamper(reports: list) -> None:
+        plan = plan_box[-1]
+        for i, report in enumerate(reports):
+            scored = []
+            for c in plan.batch:
+                if c.prompt_logprobs >= 0:
+                    n = len(c.token_ids) - 1 + (c.next_token_id >= 0)
+                    scored.append(PromptLogprobs(c.request_id, c.start, tuple(
+                        TokenLogprobs(-(c.start + j + 1) - 100 * report.rank) for j in range(n))))
+            reports[i] = replace(report, prompt_logprobs=tuple(scored))
+
+    return tamper
+
+
+def test_the_scheduler_scores_every_prompt_position_once_across_chunks_and_skips_no_cached_page():
+    from lockstep.coordinator.request import Request
+    from lockstep.coordinator.scheduler import TOKEN
+    from lockstep.steps import SamplingParams
+    from sim_ranks import Group, make_sched
+
+    sched = make_sched(ranks=2, budget=5)  # pages of 4 tokens, 5 tokens a step: 19 prompt tokens take 4 chunks
+    g = Group(sched, [32, 32])
+    ids = list(range(10, 29))
+    sched.add(Request("warm", ids, max_tokens=2))  # fills both ranks' prefix caches with the prompt's pages
+    while sched.has_work():
+        g.run_step()
+    plans: list = []
+    sched.add(Request("lp", ids, SamplingParams(logprobs=1, prompt_logprobs=2), max_tokens=2))
+    while sched.has_work():
+        g.run_step(between=plans.append, tamper=_scored_by_position(plans))
+    chunks = [c for p in plans for c in p.batch]
+    assert not any(p.probes for p in plans) and all(a.prefix_keys == () for p in plans for a in p.admits)
+    assert chunks[0].start == 0 and [c.prompt_logprobs for c in chunks] == [2, 2, 2, 2, -1]  # the decode: none
+    for c in chunks[:3]:  # each chunk's last position predicts the prompt token after it
+        assert c.next_token_id == ids[c.start + len(c.token_ids)]
+    assert chunks[3].next_token_id == -1  # the prompt's last token predicts a generated one: not the prompt's
+    tokens = [e for e in g.events if e.request_id == "lp" and e.kind == TOKEN]
+    assert [lp.logprob for lp in tokens[0].prompt_logprobs] == [-p for p in range(1, 19)]
+    assert tokens[1].prompt_logprobs is None
+
+
+def test_a_recompute_scores_no_position_twice():
+    from lockstep.coordinator.request import Request
+    from lockstep.steps import Chunk, PromptLogprobs, SamplingParams, TokenLogprobs
+
+    req = Request("r", list(range(3, 13)), SamplingParams(prompt_logprobs=0))
+    chunk = Chunk("r", (1,), 0, prompt_logprobs=0)
+    assert req.scoring_prompt and req.prompt_scoring(0, 4) == (0, 7)
+    assert req.take_prompt_scores(chunk, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(4))))
+    assert req.prompt_scoring(0, 4) == (-1, -1) and req.prompt_scoring(0, 6) == (0, 9)  # a recompute of [0, 6)
+    req.take_prompt_scores(chunk, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(6))))
+    req.take_prompt_scores(chunk, PromptLogprobs("r", 6, tuple(TokenLogprobs(-p - 7.0) for p in range(4))))
+    assert [e.logprob for e in req.prompt_logprobs] == [-p for p in range(1, 10)]  # none twice, none past the end
+    assert not req.scoring_prompt and req.prompt_scoring(0, 10) == (-1, -1)
+    assert not req.take_prompt_scores(chunk, None)  # asked and not sent: the request fails
+    assert req.take_prompt_scores(Chunk("r", (1,), 0), None)  # not asked
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_scores_a_multiple_choice_item(group, log_softmax, tiny_llama, no_leak):
+    """lm-evaluation-harness's own client (local-completions, tokenized requests) on a two-choice item: its
+    loglikelihoods are transformers' sums over each continuation's tokens."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    status, models = http("GET", group.url + "/v1/models")
+    assert status == 200, models
+    lm = LocalCompletionsAPI(model=models["data"][0]["id"], base_url=group.url + "/v1/completions",
+                             tokenizer=str(tiny_llama), tokenizer_backend="huggingface", max_retries=1)
+    context, choices = "The sky is", [" blue", " made of green cheese"]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, (context, c), i) for i, c in enumerate(choices)])
+    for (logprob, greedy), choice in zip(got, choices, strict=True):  # its token ids, as it splits the pair
+        ctx, whole = lm.tok_encode(context), lm.tok_encode(context + choice)
+        ref = log_softmax(whole)
+        cont = range(len(ctx), len(whole))
+        assert logprob == pytest.approx(sum(ref[i - 1, whole[i]].item() for i in cont), abs=10 * TOL)
+        assert greedy == all(int(ref[i - 1].argmax()) == whole[i] for i in cont)
+
+
+def test_vllm_prompt_logprobs_carry_each_prompt_tokens_logprob_and_rank(group, log_softmax, text, no_leak):
+    ids, k = prompt(94, BUDGET + 7), 2  # two chunks of prefill
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "prompt_logprobs": k}
+    status, out = group.complete(body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    got, ref = choice["prompt_logprobs"], log_softmax(ids)
+    assert choice["logprobs"] is None and got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        row, t = ref[i - 1], ids[i]
+        top = row.topk(k).indices.tolist()
+        assert list(got[i]) == list(dict.fromkeys(str(j) for j in [t, *top])), i  # the prompt token first
+        assert got[i][str(t)]["logprob"] == pytest.approx(row[t].item(), abs=TOL)
+        assert got[i][str(t)]["rank"] == int((row > row[t]).sum()) + 1 and got[i][str(t)]["decoded_token"] == text(t)
+        for rank, j in enumerate(top, start=1):
+            assert got[i][str(j)]["logprob"] == pytest.approx(row[j].item(), abs=TOL)
+            assert got[i][str(j)]["rank"] == rank or j == t
+    first = _stream(group, "/v1/completions", body)[0]["choices"][0]
+    assert first["prompt_logprobs"] == got

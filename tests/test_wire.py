@@ -16,6 +16,7 @@ from lockstep.steps import (
     PoolState,
     Probe,
     ProbeAnswer,
+    PromptLogprobs,
     RankInfo,
     Report,
     Sampled,
@@ -46,6 +47,7 @@ sampling = st.builds(
     top_k=st.integers(-(2**63), I64),
     seed=st.none() | st.integers(-(2**63), I64),
     logprobs=st.integers(-1, I64),
+    prompt_logprobs=st.integers(-1, I64),
 )
 chunks = st.builds(
     Chunk,
@@ -55,6 +57,8 @@ chunks = st.builds(
     sample=st.booleans(),
     sampling=sampling,
     sample_index=counts,
+    prompt_logprobs=st.integers(-1, I64),
+    next_token_id=st.integers(-1, I64),
 )
 plans = st.builds(
     Plan,
@@ -85,6 +89,9 @@ reports = st.builds(
     ).map(tuple),
     error=st.text(),
     timings=st.builds(Timings, step_s=finite, forward_s=finite, rank_step_s=finite),
+    prompt_logprobs=st.lists(st.builds(PromptLogprobs, request_id=ids, start=counts, entries=st.lists(st.builds(
+        TokenLogprobs, logprob=finite, top=st.lists(st.tuples(st.integers(0, I64), finite), max_size=5).map(tuple),
+        rank=counts), max_size=6).map(tuple)), max_size=3).map(tuple),
 )
 
 
@@ -145,6 +152,24 @@ def test_sampled_logprobs_cross_the_wire_and_a_torn_top_list_is_refused():
                                                        top_logprobs=[-1])])
     with pytest.raises(WireError, match="2 top ids but 1 logprobs"):
         report_from_proto(torn)
+
+
+def test_prompt_logprobs_cross_the_wire_and_torn_lists_are_refused():
+    chunk = Chunk("r", (5, 6), 0, prompt_logprobs=3, next_token_id=7, sampling=SamplingParams(prompt_logprobs=3))
+    msg = plan_to_proto(Plan(step=1, batch=(chunk,)))
+    assert plan_from_proto(msg).batch[0] == chunk
+    off = plan_to_proto(Plan(step=1, batch=(Chunk("r", (5,), 0),))).batch[0]
+    assert not off.HasField("prompt_logprobs") and not off.HasField("next_token_id")  # unset reads as -1
+    entries = (TokenLogprobs(-1.5, ((4, -0.5), (5, -1.5)), 2), TokenLogprobs(-2.0, (), 7),
+               TokenLogprobs(-0.1, ((9, -0.1),), 1))
+    report = Report(step=1, rank=0, prompt_logprobs=(PromptLogprobs("r", 3, entries),))
+    assert report_from_proto(report_to_proto(report)) == report
+    torn = pb.ReportMsg(step=1, prompt_logprobs=[pb.PromptLogprobsMsg(request_id="r", logprobs=[-1.0], top_counts=[2],
+                                                                      top_ids=[1], top_logprobs=[-1.0])])
+    with pytest.raises(WireError, match="prompt logprobs of r"):
+        report_from_proto(torn)
+    with pytest.raises(WireError, match="next_token_id must be -1"):
+        plan_to_proto(Plan(step=1, batch=(Chunk("r", (1,), 0, next_token_id=-2),)))
 
 
 def test_empty_message_is_the_default_plan():

@@ -36,7 +36,7 @@ from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import load_model
 from lockstep.model.sampling import sample, token_logprobs
 from lockstep.parallel.comm import Comm, init_comm, single_comm
-from lockstep.steps import Chunk, GroupBroken, Plan, RankInfo, Report, Sampled, Timings
+from lockstep.steps import Chunk, GroupBroken, Plan, PromptLogprobs, RankInfo, Report, Sampled, Timings
 
 log = logging.getLogger("lockstep.engine")
 
@@ -130,14 +130,15 @@ class Engine:
         elif plan.pool_fence:
             log.info("rank %d: KV pools fenced at step %d at %s", self.comm.rank, plan.step, dict(plan.pool_fence))
         sampled: tuple[Sampled, ...] = ()
+        scored: tuple[PromptLogprobs, ...] = ()
         forward_s = 0.0
         if not error and plan.batch:
             t1 = time.perf_counter()
-            sampled, error = self._forward(plan)
+            (sampled, scored), error = self._forward(plan)
             forward_s = time.perf_counter() - t1
         probes, pools = self.cache.finish(plan)
         timings = Timings(step_s=time.perf_counter() - t0, forward_s=forward_s)
-        return Report(plan.step, self.comm.rank, sampled, probes, pools, error, timings)
+        return Report(plan.step, self.comm.rank, sampled, probes, pools, error, timings, scored)
 
     def _group_refuses(self, step: int, error: str) -> bool:
         """Whether any rank refuses the step: one small all-reduce that every rank joins, refusing or not."""
@@ -151,9 +152,9 @@ class Engine:
                 f"rank {self.comm.rank}: the agreement collective of step {step} failed: {exc}"
             ) from exc
 
-    def _forward(self, plan: Plan) -> tuple[tuple[Sampled, ...], str]:
-        """(sampled tokens, error). Alone, a failed forward is a refused step; in a group it breaks the group,
-        since the peers may be waiting in one of its collectives."""
+    def _forward(self, plan: Plan) -> tuple[tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]], str]:
+        """((sampled tokens, prompt scores), error). Alone, a failed forward is a refused step; in a group it
+        breaks the group, since the peers may be waiting in one of its collectives."""
         try:
             return self._run(plan.batch), ""
         except Exception as exc:
@@ -161,9 +162,9 @@ class Engine:
                 raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed inside the forward, where "
                                   f"its peers may be waiting in a collective: {exc}") from exc
             log.exception("rank 0: the forward of step %d failed", plan.step)
-            return (), f"rank 0: {type(exc).__name__} in the forward: {exc}"
+            return ((), ()), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
-    def _run(self, batch: tuple[Chunk, ...]) -> tuple[Sampled, ...]:
+    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long, device=self.device)
         attn = {
             name: AttentionBatch.build(
@@ -171,8 +172,7 @@ class Engine:
                 self.cache.page_size, self.device, self.cache.window if name == POOL_SLIDING else None)
             for name in self.cache.pools
         }
-        with torch.inference_mode():
-            logits = self.model(ids, attn, self.kv)
+        logits, scored = self._forward_and_score(batch, ids, attn)
         rows = [i for i, c in enumerate(batch) if c.sample]
         sampled: tuple[Sampled, ...] = ()
         if rows:
@@ -186,7 +186,44 @@ class Engine:
             sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
         for chunk in batch:
             self.cache.advance(chunk)
-        return sampled
+        return sampled, scored
+
+    def _forward_and_score(self, batch: tuple[Chunk, ...], ids: torch.Tensor, attn: dict[str, AttentionBatch]
+                           ) -> tuple[torch.Tensor, tuple[PromptLogprobs, ...]]:
+        """(the logits of each chunk's last position, the prompt scores of the chunks that ask): the logits of
+        every position of a chunk that scores its prompt, and only of the last position of the others."""
+        if not any(c.prompt_logprobs >= 0 for c in batch):
+            with torch.inference_mode():
+                return self.model(ids, attn, self.kv), ()
+        rows: list[int] = []
+        lasts: list[int] = []
+        firsts: list[int] = []  # where each chunk's rows start in the logits
+        flat = 0
+        for c in batch:
+            n = len(c.token_ids)
+            firsts.append(len(rows))
+            rows.extend(range(flat, flat + n) if c.prompt_logprobs >= 0 else [flat + n - 1])
+            lasts.append(len(rows) - 1)
+            flat += n
+        with torch.inference_mode():
+            logits = self.model(ids, attn, self.kv, rows=torch.tensor(rows, device=ids.device))
+        return logits[lasts], _prompt_scores(batch, logits, firsts)
+
+
+def _prompt_scores(batch: tuple[Chunk, ...], logits: torch.Tensor, firsts: list[int]) -> tuple[PromptLogprobs, ...]:
+    """Per chunk that asks (Chunk.prompt_logprobs), the logprob of the token after each of its positions, from
+    that position's logits (the chunk's rows start at firsts[i]): the chunk's own next token, and at its last
+    position `next_token_id` (the prompt token after the chunk) when there is one. Computed here so the
+    coordinator never sees logits."""
+    out = []
+    for chunk, first in zip(batch, firsts, strict=True):
+        if chunk.prompt_logprobs < 0:
+            continue
+        targets = list(chunk.token_ids[1:]) + ([chunk.next_token_id] if chunk.next_token_id >= 0 else [])
+        entries = token_logprobs(logits[first:first + len(targets)], targets, [chunk.prompt_logprobs] * len(targets),
+                                 ranks=True) if targets else []
+        out.append(PromptLogprobs(chunk.request_id, chunk.start, tuple(entries)))
+    return tuple(out)
 
 
 def _with_logprobs(sampled: tuple[Sampled, ...], logits: torch.Tensor, ks: list[int]) -> tuple[Sampled, ...]:

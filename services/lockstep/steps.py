@@ -24,6 +24,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     logprobs: int = -1  # -1: off; k >= 0: report the sampled token's logprob and the k most likely (TokenLogprobs)
+    prompt_logprobs: int = -1  # -1: off; k >= 0: the prompt tokens' logprobs too (echo), each with the k most likely
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Chunk:
     sample: bool = False
     sampling: SamplingParams = SamplingParams()
     sample_index: int = 0
+    # k >= 0: score the prompt here: the logprob (and the k most likely) of the token after each position of
+    # the chunk, the last position's being `next_token_id` (the prompt token after the chunk; -1: none)
+    prompt_logprobs: int = -1
+    next_token_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,11 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # the token's rank in its distribution, 1 the most likely (vLLM's prompt_logprobs); 0: not computed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top", tuple((int(i), float(lp)) for i, lp in self.top))
+        object.__setattr__(self, "rank", int(self.rank))
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,19 @@ class Sampled:
     request_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A chunk's prompt scores (Chunk.prompt_logprobs): `entries[i]` is the logprob of the token at position
+    `start + i + 1`, from the logits of position `start + i`. Of the raw logits, as TokenLogprobs."""
+
+    request_id: str
+    start: int
+    entries: tuple[TokenLogprobs, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple(self.entries))
 
 
 @dataclass(frozen=True)
@@ -174,9 +194,11 @@ class Report:
     pools: tuple[PoolState, ...] = ()
     error: str = ""
     timings: Timings = Timings()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per chunk that asked (the prompt's, for echo)
 
     def __post_init__(self) -> None:
-        for name in ("sampled", "probes", "pools"):  # a list given here would make two equal reports differ
+        # a list given here would make two equal reports differ
+        for name in ("sampled", "probes", "pools", "prompt_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))

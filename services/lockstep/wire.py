@@ -20,6 +20,7 @@ from lockstep.steps import (
     PoolState,
     Probe,
     ProbeAnswer,
+    PromptLogprobs,
     RankInfo,
     Report,
     Sampled,
@@ -59,9 +60,10 @@ def _check_chunk(chunk: Chunk, where: str) -> None:
         raise WireError(
             f"{where} ({chunk.request_id!r}): sample_index must be >= 0, got {chunk.sample_index}"
         )
-    if chunk.sampling.logprobs < -1:
-        raise WireError(f"{where} ({chunk.request_id!r}): logprobs must be -1 (off) or >= 0, "
-                        f"got {chunk.sampling.logprobs}")
+    for name, value in (("logprobs", chunk.sampling.logprobs), ("prompt_logprobs", chunk.sampling.prompt_logprobs),
+                        ("chunk prompt_logprobs", chunk.prompt_logprobs), ("next_token_id", chunk.next_token_id)):
+        if value < -1:
+            raise WireError(f"{where} ({chunk.request_id!r}): {name} must be -1 (off) or >= 0, got {value}")
     negative = [t for t in chunk.token_ids if t < 0]
     if negative:
         raise WireError(f"{where} ({chunk.request_id!r}): token ids must be >= 0, got {negative[0]}")
@@ -107,6 +109,10 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
                 sample=chunk.sample,
                 sample_index=chunk.sample_index,
             )
+            if chunk.prompt_logprobs != -1:
+                c.prompt_logprobs = chunk.prompt_logprobs
+            if chunk.next_token_id != -1:
+                c.next_token_id = chunk.next_token_id
             c.sampling.temperature = s.temperature
             c.sampling.top_p = s.top_p
             c.sampling.top_k = s.top_k
@@ -114,6 +120,8 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
                 c.sampling.seed = s.seed
             if s.logprobs != -1:
                 c.sampling.logprobs = s.logprobs
+            if s.prompt_logprobs != -1:
+                c.sampling.prompt_logprobs = s.prompt_logprobs
         for probe in plan.probes:
             msg.probes.add(request_id=probe.request_id, keys=list(probe.keys))
     except (TypeError, ValueError) as e:
@@ -138,10 +146,13 @@ def plan_from_proto(msg: pb.PlanMsg) -> Plan:
                     top_k=s.top_k,
                     seed=s.seed if s.HasField("seed") else None,
                     logprobs=s.logprobs if s.HasField("logprobs") else -1,
+                    prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else -1,
                 )
                 if c.HasField("sampling")
                 else SamplingParams(),
                 sample_index=c.sample_index,
+                prompt_logprobs=c.prompt_logprobs if c.HasField("prompt_logprobs") else -1,
+                next_token_id=c.next_token_id if c.HasField("next_token_id") else -1,
             )
         )
     plan = Plan(
@@ -174,6 +185,8 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
                 m.logprob = s.logprobs.logprob
                 m.top_ids.extend(i for i, _ in s.logprobs.top)
                 m.top_logprobs.extend(lp for _, lp in s.logprobs.top)
+        for pl in report.prompt_logprobs:
+            _add_prompt_logprobs(msg.prompt_logprobs.add(request_id=pl.request_id, start=pl.start), pl)
         for p in report.probes:
             msg.probes.add(
                 request_id=p.request_id, matched_pages=p.matched_pages, pinned_pages=p.pinned_pages,
@@ -195,6 +208,16 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
     return msg
 
 
+def _add_prompt_logprobs(m: pb.PromptLogprobsMsg, pl: PromptLogprobs) -> None:
+    if any(e.rank for e in pl.entries):
+        m.ranks.extend(e.rank for e in pl.entries)
+    for e in pl.entries:
+        m.logprobs.append(e.logprob)
+        m.top_counts.append(len(e.top))
+        m.top_ids.extend(i for i, _ in e.top)
+        m.top_logprobs.extend(lp for _, lp in e.top)
+
+
 def report_from_proto(msg: pb.ReportMsg) -> Report:
     """The report the coordinator decides from; a timing the rank did not send is 0.0, one it does not
     know of is dropped."""
@@ -207,7 +230,23 @@ def report_from_proto(msg: pb.ReportMsg) -> Report:
                     for p in msg.pools),
         error=msg.error,
         timings=Timings(**{name: msg.timings.get(key, 0.0) for name, key in TIMING_NAMES.items()}),
+        prompt_logprobs=tuple(_prompt_logprobs(m) for m in msg.prompt_logprobs),
     )
+
+
+def _prompt_logprobs(msg: pb.PromptLogprobsMsg) -> PromptLogprobs:
+    counts = list(msg.top_counts)
+    if len(counts) != len(msg.logprobs) or any(n < 0 for n in counts) or sum(counts) != len(msg.top_ids) \
+            or len(msg.top_ids) != len(msg.top_logprobs) or len(msg.ranks) not in (0, len(counts)):
+        raise WireError(f"prompt logprobs of {msg.request_id}: {len(msg.logprobs)} entries, top counts {counts[:8]}, "
+                        f"{len(msg.top_ids)} top ids and {len(msg.top_logprobs)} top logprobs do not match")
+    entries, at = [], 0
+    ranks = list(msg.ranks) or [0] * len(counts)
+    for lp, n, rank in zip(msg.logprobs, counts, ranks, strict=True):
+        entries.append(TokenLogprobs(lp, tuple(zip(msg.top_ids[at:at + n], msg.top_logprobs[at:at + n], strict=True)),
+                                     rank))
+        at += n
+    return PromptLogprobs(msg.request_id, msg.start, tuple(entries))
 
 
 def _sampled(msg: pb.SampledMsg) -> Sampled:

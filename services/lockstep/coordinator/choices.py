@@ -44,7 +44,8 @@ def _joined(pieces: Sequence[TextPiece]) -> Completion:
     reasons = [p.finish_reason for p in pieces if p.finish_reason is not None]
     return Completion("".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
                       reasons[-1] if reasons else None, pieces[-1].cached_tokens if pieces else 0,
-                      [lp for p in pieces for lp in p.logprobs] or ())
+                      [lp for p in pieces for lp in p.logprobs] or (),
+                      next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None))
 
 
 # ----- n choices

@@ -28,3 +28,5 @@ class Event:
     error: str = ""
     retriable: bool = True  # False: the request itself can never be served (the client must change it)
     logprobs: TokenLogprobs | None = None  # of a TOKEN whose request asked for logprobs (the first rank's)
+    # of the first TOKEN of a request that asked for prompt logprobs: entry i is prompt token i + 1's
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

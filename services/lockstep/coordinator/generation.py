@@ -61,6 +61,8 @@ class TokenEvent:
     error: str = ""
     status: int = 503  # of an error: < 500 means the request itself can never be served
     logprobs: TokenLogprobs | None = None  # the token's, when the request asked for logprobs
+    # with the first token of a request that asked for prompt logprobs: entry i is prompt token i + 1's
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -276,13 +278,15 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
 
 class TextPiece(NamedTuple):
     """New output text with the token ids it came from; finish_reason is set on the last piece. With logprobs
-    asked for, `logprobs[i]` is token_ids[i]'s (None where the rank sent none)."""
+    asked for, `logprobs[i]` is token_ids[i]'s (None where the rank sent none). The first piece of a request
+    that asked for prompt logprobs carries them (`prompt_logprobs[i]` is prompt token i + 1's)."""
 
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     logprobs: Sequence[TokenLogprobs | None] = ()
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None
 
 
 class Completion(NamedTuple):
@@ -293,6 +297,7 @@ class Completion(NamedTuple):
     finish_reason: FinishReason | None
     cached_tokens: int
     logprobs: Sequence[TokenLogprobs | None] = ()
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None
 
 
 def generate_text(frontend: Frontend, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TextPiece, None]:
@@ -314,9 +319,12 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     hidden = frozenset(() if spec.include_stop_str else spec.stop_token_ids)
     hold = max((len(s) for s in spec.stop), default=1) - 1
     text, sent, ids, lps = "", 0, [], []
+    prompt_lps = None  # the prompt's logprobs, until a piece carries them
     async with aclosing(events):
         async for ev in events:
             _raise_error(ev)
+            if ev.prompt_logprobs is not None:
+                prompt_lps = ev.prompt_logprobs
             if ev.token_id is not None:
                 ids.append(ev.token_id)
                 if spec.sampling.logprobs >= 0:  # else pieces carry none: ()
@@ -331,12 +339,12 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             if cut is not None:
                 text, reason = text[:cut], FinishReason.STOP
             if reason is not None:
-                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or ())
+                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or (), prompt_lps)
                 return
             safe = len(text) - hold
-            if safe > sent:
-                yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens, lps or ())
-                sent, ids, lps = safe, [], []
+            if safe > sent:  # the prompt's logprobs go out with the first piece
+                yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens, lps or (), prompt_lps)
+                sent, ids, lps, prompt_lps = safe, [], [], None
 
 
 def _raise_error(ev: TokenEvent) -> None:
@@ -359,12 +367,13 @@ def _find_stop(text: str, stops: list[str], sent: int, keep: bool = False) -> in
 
 async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
     """The whole answer of a non-streaming request (cancelled, it closes the pieces: the request aborts)."""
-    text, ids, reason, cached, lps = [], [], None, 0, []
+    text, ids, reason, cached, lps, prompt_lps = [], [], None, 0, [], None
     async with aclosing(pieces):
         async for piece in pieces:
             text.append(piece.text)
             ids.extend(piece.token_ids)
             lps.extend(piece.logprobs)
             reason, cached = piece.finish_reason or reason, piece.cached_tokens
-    return Completion("".join(text), ids, reason, cached, lps or ())
+            prompt_lps = piece.prompt_logprobs if prompt_lps is None else prompt_lps
+    return Completion("".join(text), ids, reason, cached, lps or (), prompt_lps)
 

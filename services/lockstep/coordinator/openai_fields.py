@@ -31,7 +31,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
             "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "stream", "stream_options",
             "return_token_ids", "user")
-IMPLEMENTED = {"completions": ("prompt", "echo", "logprobs", *SAMPLING),
+IMPLEMENTED = {"completions": ("prompt", "echo", "logprobs", "prompt_logprobs", *SAMPLING),
                "chat": ("messages", "logprobs", "top_logprobs", *SAMPLING),
                "reset_prefix_cache": ("rank",),
                # vLLM's /tokenize takes a prompt or a chat (two request kinds), /detokenize token ids
@@ -47,7 +47,7 @@ _NOOP_COMMON: dict[str, tuple] = {
     "use_beam_search": (False,),  # vLLM's; best_of (completions) likewise only 1: every choice is returned
 }
 NOOP: dict[str, dict[str, tuple]] = {
-    "completions": {**_NOOP_COMMON, "best_of": (1,), "suffix": ("",), "prompt_logprobs": ()},
+    "completions": {**_NOOP_COMMON, "best_of": (1,), "suffix": ("",)},
     "chat": {**_NOOP_COMMON, "tools": ([],), "tool_choice": ("none",),
              "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,)},
     "reset_prefix_cache": {}, "tokenize": {}, "tokenize_chat": {}, "detokenize": {},
@@ -202,12 +202,20 @@ def _content(content: Any, where: str) -> str:
 
 
 def check_echo(body: Mapping[str, Any]) -> bool:
-    """Whether a completion echoes its prompt; only without logprobs (prompt logprobs are not computed)."""
-    echo = json_field(body, "echo", (bool,), False)
-    if echo and body.get("logprobs") is not None:
-        raise ApiError(400, "'echo' is supported only without 'logprobs' (no prompt logprobs)", "echo",
-                       "unsupported_value")
-    return echo
+    """Whether a completion echoes its prompt. With `logprobs` too, the choice's logprobs cover the prompt's
+    tokens before the generated ones (the first prompt token's null: nothing predicts it), which is how
+    evaluation harnesses score a text (lm-eval's loglikelihood: echo, logprobs, max_tokens 1)."""
+    return json_field(body, "echo", (bool,), False)
+
+
+def prompt_logprobs_asked(body: Mapping[str, Any]) -> int:
+    """vLLM's `prompt_logprobs` of a completion: 0..20 most likely tokens at each prompt position, with the prompt
+    token's own logprob and rank (null: off, -1)."""
+    k = json_field(body, "prompt_logprobs", (int,))
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(k)[:40]}",
+                       "prompt_logprobs")
+    return -1 if k is None else k
 
 
 def logprobs_asked(body: Mapping[str, Any], chat: bool) -> int:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from lockstep.coordinator.choices import collect_choices, interleave, open_choices
 from lockstep.coordinator.generation import ApiError, Completion, Frontend, GenerateSpec, TextPiece, json_field
-from lockstep.coordinator.openai_fields import logprobs_asked, stream_options
+from lockstep.coordinator.openai_fields import check_echo, logprobs_asked, prompt_logprobs_asked, stream_options
 from lockstep.steps import TokenLogprobs
 from lockstep.tokenizer import Tokenizer
 
@@ -45,6 +45,8 @@ class Shape:
     token_ids: bool = False
     echo: str = ""  # completions' echo: the prompt's text, put before each choice's text
     logprobs: int = -1  # top logprobs per token (-1: no logprobs at all)
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens are scored too
+    prompt_logprobs: int = -1  # vLLM's prompt_logprobs: the k most likely at each prompt position (-1: off)
 
     @property
     def kind(self) -> str:
@@ -85,6 +87,13 @@ async def respond(request: web.Request, frontend: Frontend, body: dict, spec: Ge
     k = logprobs_asked(body, shape.chat)
     if k >= 0:  # the ranks compute them where they sample (SamplingParams.logprobs)
         spec, shape = replace(spec, sampling=replace(spec.sampling, logprobs=k)), replace(shape, logprobs=k)
+        if not shape.chat and check_echo(body):  # and the prompt's, where they compute it
+            spec = replace(spec, sampling=replace(spec.sampling, prompt_logprobs=k))
+            shape = replace(shape, echo_logprobs=True)
+    pk = -1 if shape.chat else prompt_logprobs_asked(body)
+    if pk >= 0:
+        spec = replace(spec, sampling=replace(spec.sampling, prompt_logprobs=max(pk, spec.sampling.prompt_logprobs)))
+        shape = replace(shape, prompt_logprobs=pk)
     rid = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
     base = {"id": rid, "created": int(time.time()), "model": frontend.model_name}
     choices = await open_choices(frontend, rid, spec)
@@ -101,8 +110,12 @@ def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Sha
     """The body of a non-streaming answer (the tokenizer renders logprobs' tokens, when asked for)."""
     choices = []
     for i, one in enumerate(done):
-        lps = None if shape.logprobs < 0 else render_logprobs(
-            tokenizer, shape, one.token_ids, one.logprobs, len(shape.echo))[0]
+        lps = None
+        if shape.echo_logprobs:  # the prompt's tokens, then the generated ones, text offsets counting on
+            prompt, offset = render_prompt(tokenizer, shape, spec.prompt_ids, one.prompt_logprobs)
+            lps = _with_prompt(prompt, render_logprobs(tokenizer, shape, one.token_ids, one.logprobs, offset)[0])
+        elif shape.logprobs >= 0:
+            lps = render_logprobs(tokenizer, shape, one.token_ids, one.logprobs, len(shape.echo))[0]
         choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "logprobs": lps}
         if shape.chat:
             choice["message"] = {"role": "assistant", "content": one.text}
@@ -110,6 +123,8 @@ def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Sha
             choice["text"] = shape.echo + one.text
         if shape.token_ids:
             choice["token_ids"] = one.token_ids
+        if shape.prompt_logprobs >= 0:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, shape, spec.prompt_ids, one.prompt_logprobs)
         choices.append(choice)
     completion = sum(len(one.token_ids) for one in done)
     out = {**base, "object": shape.kind, "choices": choices, "usage": usage(spec, completion, done[0].cached_tokens)}
@@ -157,8 +172,16 @@ async def _write_chunks(resp: web.StreamResponse, base: dict, spec: GenerateSpec
             cached[i] = piece.cached_tokens
             choice = _stream_choice(i, piece, shape, not started[i])
             if shape.logprobs >= 0:
+                prompt = None
+                if shape.echo_logprobs and not started[i]:  # the echoed prompt's go first, with its text
+                    prompt, offsets[i] = render_prompt(tokenizer, shape, spec.prompt_ids, piece.prompt_logprobs)
                 choice["logprobs"], offsets[i] = render_logprobs(tokenizer, shape, piece.token_ids, piece.logprobs,
                                                                  offsets[i])
+                if prompt is not None:
+                    choice["logprobs"] = _with_prompt(prompt, choice["logprobs"])
+            if shape.prompt_logprobs >= 0 and not started[i]:  # vLLM's: in a choice's first chunk
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, shape, spec.prompt_ids,
+                                                                 piece.prompt_logprobs)
             chunk = {**base, "object": kind, "choices": [choice]}
             if shape.token_ids and not any(started):
                 chunk["prompt_token_ids"] = spec.prompt_ids
@@ -230,6 +253,38 @@ def render_logprobs(tokenizer: Tokenizer, shape: Shape, token_ids: Sequence[int]
         out["text_offset"].append(offset)
         offset += len(text(t))
     return out, offset
+
+
+def render_prompt(tokenizer: Tokenizer, shape: Shape, prompt_ids: Sequence[int],
+                  prompt_logprobs: Sequence[TokenLogprobs] | None) -> tuple[dict, int]:
+    """(the echoed prompt's part of a completion's `logprobs`, the text offset after it), in OpenAI's and vLLM's
+    shape: the first token's logprob and top_logprobs are null, since nothing predicts it; token i's come
+    from position i - 1. Text offsets count from 0 over the tokens' texts, and the generated ones go on."""
+    out, offset = render_logprobs(tokenizer, shape, prompt_ids, [None, *(prompt_logprobs or ())][:len(prompt_ids)], 0)
+    out["top_logprobs"][0] = None
+    return out, offset
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, shape: Shape, prompt_ids: Sequence[int],
+                         prompt_logprobs: Sequence[TokenLogprobs] | None) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: null for the first token, then per position the prompt token and
+    the k most likely, keyed by token id, each {logprob, rank (1: the most likely), decoded_token}."""
+    out: list[dict | None] = [None]
+    lps = list(prompt_logprobs or ())
+    for i, t in enumerate(prompt_ids[1:]):
+        lp = lps[i] if i < len(lps) else None
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank, "decoded_token": token_text(tokenizer, t)}}
+        for rank, (j, v) in enumerate(lp.top[:shape.prompt_logprobs], start=1):
+            entry.setdefault(str(j), {"logprob": _logprob(v), "rank": rank, "decoded_token": token_text(tokenizer, j)})
+        out.append(entry)
+    return out
+
+
+def _with_prompt(prompt: dict, generated: dict) -> dict:
+    return {name: prompt[name] + generated[name] for name in generated}
 
 
 def usage(spec: GenerateSpec, completion: int, cached: int) -> dict:

@@ -58,10 +58,15 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
                                   f"({max_model_len})"},
         "messages": {"type": "array", "minItems": 1, "items": message,
                      "description": "rendered by the model's chat template; content is text only"},
-        "echo": {**BOOL, "description": "put the prompt's text before each choice's text (without logprobs)"},
+        "echo": {**BOOL, "description": "put the prompt's text before each choice's text; with logprobs, the prompt's "
+                                        "tokens are scored too (the first one's logprob null)"},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
                      "description": "each generated token's logprob (of the raw logits) and the k most likely "
                                     "tokens' (top_logprobs also holds the sampled token: up to k + 1)"},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+                            "description": "vLLM's: choices[].prompt_logprobs, per prompt position (the first "
+                                           "null) the prompt token and the k most likely, by token id: logprob, "
+                                           "rank, decoded_token"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
                          "description": "the k most likely tokens at each position (needs logprobs: true)"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
@@ -112,10 +117,8 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) ->
     return schema
 
 
-# What one field allows only with another: echo with logprobs needs prompt logprobs, which are not computed;
-# top_logprobs > 0 needs logprobs: true (vLLM's rule).
+# What one field allows only with another: top_logprobs > 0 needs logprobs: true (vLLM's rule).
 _TOGETHER = {
-    "completions": [{"properties": {"echo": {"enum": [None, False]}}}, {"properties": {"logprobs": NULL}}],
     "chat": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
              {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}],
 }
@@ -147,8 +150,8 @@ def _schemas() -> dict[str, dict]:
     legacy = _nullable({"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
                         "properties": {"tokens": {"type": "array", "items": STR},
                                        "token_logprobs": {"type": "array", "items": logprob},
-                                       "top_logprobs": {"type": "array", "items": {
-                                           "type": "object", "additionalProperties": logprob}},
+                                       "top_logprobs": {"type": "array", "items": {  # null: echo's first
+                                           "type": ["object", "null"], "additionalProperties": logprob}},
                                        "text_offset": ids}})
     alt = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
         "token": STR, "logprob": logprob, "bytes": ids}}
@@ -162,7 +165,10 @@ def _schemas() -> dict[str, dict]:
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "text_completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": legacy, "token_ids": ids}}}}},
+                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": legacy, "token_ids": ids,
+                    "prompt_logprobs": {"type": "array", "items": {"type": ["object", "null"], "additionalProperties": {
+                        "type": "object", "required": ["logprob", "rank", "decoded_token"], "properties": {
+                            "logprob": logprob, "rank": INT, "decoded_token": STR}}}}}}}}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "chat.completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "message", "finish_reason"], "properties": {

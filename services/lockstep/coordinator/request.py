@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from lockstep.kv.page_keys import page_keys
-from lockstep.steps import SamplingParams
+from lockstep.steps import Chunk, PromptLogprobs, SamplingParams, TokenLogprobs
 
 SEED_MASK = (1 << 63) - 1
 GREEDY = SamplingParams()
@@ -63,6 +63,8 @@ def _check_sampling(sampling: SamplingParams) -> None:
         raise ValueError(f"top_k must be an int >= 0 (0: off), got {sampling.top_k!r}")
     if sampling.seed is not None and (type(sampling.seed) is not int or not -INT64 <= sampling.seed < INT64):
         raise ValueError(f"seed must be a 64-bit signed int or None, got {sampling.seed!r}")
+    if type(sampling.prompt_logprobs) is not int or sampling.prompt_logprobs < -1:
+        raise ValueError(f"prompt_logprobs must be -1 (off) or an int >= 0, got {sampling.prompt_logprobs!r}")
 
 
 class Request:
@@ -98,6 +100,8 @@ class Request:
         self.error = ""
         self.num_preemptions = 0
         self._keys: list[bytes] = []
+        # with sampling.prompt_logprobs: entry i is prompt token i + 1's, as the first rank reported it
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     def __repr__(self) -> str:
         return (
@@ -136,6 +140,38 @@ class Request:
         if len(self.generated) >= self.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether some prompt token's logprob is still to be computed: until then no cached prefix may be
+        skipped (a skipped position is never computed, so it would have no logprob)."""
+        return self.sampling.prompt_logprobs >= 0 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def prompt_scoring(self, start: int, end: int) -> tuple[int, int]:
+        """(k, next token id) for the chunk of positions [start, end): k = -1 when it scores nothing new; the
+        next token is the prompt token after the chunk, which its last position predicts (-1: none)."""
+        prompt = self.prompt_token_ids
+        if not self.scoring_prompt or end <= len(self.prompt_logprobs):
+            return -1, -1
+        return self.sampling.prompt_logprobs, prompt[end] if end < len(prompt) else -1
+
+    def take_prompt_scores(self, chunk: Chunk, scores: PromptLogprobs | None) -> bool:
+        """Keep the entries of positions not reported yet (a recompute after preemption scores them again).
+        False when the chunk asked for scores and the ranks sent none: a rank's bug, which fails the request."""
+        if chunk.prompt_logprobs < 0:
+            return True
+        if scores is None:
+            return False
+        for i, entry in enumerate(scores.entries):
+            position = scores.start + i
+            if position == len(self.prompt_logprobs) and position + 1 < len(self.prompt_token_ids):
+                self.prompt_logprobs.append(entry)
+        return True
+
+    def prompt_logprobs_to_send(self) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, to go with the first generated token (once); None otherwise."""
+        first = self.sampling.prompt_logprobs >= 0 and len(self.generated) == 1
+        return tuple(self.prompt_logprobs) if first else None
 
     def finish(self, reason: FinishReason | str, error: str = "") -> None:
         """End the request; `reason` is a FinishReason or its value."""

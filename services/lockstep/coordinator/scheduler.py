@@ -234,14 +234,9 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         start = req.num_computed
-        return Chunk(
-            request_id=req.request_id,
-            token_ids=req.token_ids(start, start + n),
-            start=start,
-            sample=start + n == req.num_tokens,
-            sampling=req.sampling,
-            sample_index=len(req.generated),
-        )
+        k, next_token = req.prompt_scoring(start, start + n)  # echo's prompt logprobs, where still to compute
+        return Chunk(req.request_id, req.token_ids(start, start + n), start, start + n == req.num_tokens,
+                     req.sampling, len(req.generated), k, next_token)
 
     def _schedule_running(self, control: AdmissionControl, batch: dict[str, Chunk], releases: list[str]) -> bool:
         """Give every running request its next chunk while it fits; where one cannot grow, preempt the
@@ -286,8 +281,9 @@ class Scheduler:
         return Event(req.request_id, PREEMPTED)
 
     def _probe_pages(self, req: Request) -> int:
-        """Pages worth probing: full pages of its tokens, short of the last token that must be computed."""
-        return (req.num_tokens - 1) // self.page_size if self.prefix_caching else 0
+        """Pages worth probing: full pages of its tokens, short of the last token that must be computed; none
+        while its prompt is being scored (prompt logprobs), as a cached position is never computed."""
+        return (req.num_tokens - 1) // self.page_size if self.prefix_caching and not req.scoring_prompt else 0
 
     def _admit_waiting(
         self,
@@ -412,6 +408,7 @@ class Scheduler:
             for answer in report.probes:
                 self._book.record(report.step, report.rank, answer)
         sampled = {s.request_id: s for report in reversed(reports) for s in report.sampled}  # the first rank's
+        scores = {p.request_id: p for report in reversed(reports) for p in report.prompt_logprobs}
         for chunk in plan.batch:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -419,14 +416,16 @@ class Scheduler:
             if req.num_computed != chunk.start:
                 raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {chunk.start}")
             req.num_computed = chunk.start + len(chunk.token_ids)
+            scored = req.take_prompt_scores(chunk, scores.get(req.request_id))
             if not chunk.sample:
                 continue
             got = sampled.get(req.request_id)
-            if got is None:
+            if got is None or not scored:
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
-            events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs))
+            events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
+                                prompt_logprobs=req.prompt_logprobs_to_send()))
             if reason is not None:
                 events.append(self._finish(req, reason))
 

@@ -320,7 +320,8 @@ class Coordinator:
                     self.metrics.itl.labels(group).observe(now - live.last_token_at)
                 live.last_token_at = now
                 self.metrics.generation_tokens.labels(group).inc()
-                live.queue.put_nowait(TokenEvent(ev.token_id, None, cached, logprobs=ev.logprobs))
+                live.queue.put_nowait(TokenEvent(ev.token_id, None, cached, logprobs=ev.logprobs,
+                                                  prompt_logprobs=ev.prompt_logprobs))
             elif ev.kind == EventKind.FINISHED:
                 cached = live.request.cached_tokens
                 if ev.finish_reason == FinishReason.ERROR:

@@ -137,8 +137,10 @@ class LlamaModel(nn.Module):
         batches: PoolBatches,
         kv: KVCache,
         all_logits: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the batch's new tokens, writing their k/v; fp32 logits of each sequence's last token.
+        """Run the batch's new tokens, writing their k/v; fp32 logits of each sequence's last token (of every
+        token with `all_logits`; of the flat positions `rows` when given: a vocabulary-wide row costs memory).
 
         Each layer reads the batch of its KV pool (`batches[config.pool_of(layer)]`); the pools' batches
         differ only in their page tables.
@@ -162,7 +164,9 @@ class LlamaModel(nn.Module):
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v, strict=True)):
             cos, sin = rope[self.rope_index[i]]
             x = layer(x, cos, sin, batch_of(batches, config.pool_of(i)), k_cache, v_cache)
-        if not all_logits:
+        if rows is not None:
+            x = x[rows]
+        elif not all_logits:
             x = x[batch.last_token_indices]
         return self.logits(self.norm(x))
 

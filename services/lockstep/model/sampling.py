@@ -320,18 +320,22 @@ def allowed_mask(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int], ranks: bool = False
+                   ) -> list[TokenLogprobs]:
     """Per row: the log-probability of `token_ids[row]` and the `ks[row]` most likely tokens, most likely
     first, under log_softmax of the raw logits in float32: before temperature, top-k and
     top-p (vLLM's default `logprobs_mode=raw_logprobs`), so a token's logprob does not depend on how it
     was drawn. Every rank holds the same logits, so every rank computes the same answer. NaN logits stay
-    NaN here; the API clamps what JSON cannot carry."""
+    NaN here; the API clamps what JSON cannot carry. `ranks`: each token's rank too (1 + how many tokens are
+    more likely), which vLLM's prompt_logprobs show."""
     if logits.dim() != 2 or not logits.shape[0] == len(token_ids) == len(ks):
         raise ValueError(f"logits {tuple(logits.shape)} for {len(token_ids)} tokens and {len(ks)} counts")
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(list(token_ids), device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = lp.gather(1, torch.tensor(list(token_ids), device=lp.device).unsqueeze(1))
+    rank = ((lp > chosen_t).sum(dim=1) + 1).tolist() if ranks else [0] * len(token_ids)
+    chosen = chosen_t.squeeze(1).tolist()
     k = min(max(ks, default=0), lp.shape[1])
     top_lp, top_ids = torch.topk(lp, k, dim=-1, sorted=True)
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    return [TokenLogprobs(c, tuple(zip(ids[:n], vals[:n], strict=True)))
-            for c, ids, vals, n in zip(chosen, top_ids, top_lp, ks, strict=True)]
+    return [TokenLogprobs(c, tuple(zip(ids[:n], vals[:n], strict=True)), r)
+            for c, ids, vals, n, r in zip(chosen, top_ids, top_lp, ks, rank, strict=True)]

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParamsMsg(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class AdmitMsg(_message.Message):
     __slots__ = ("request_id", "prefix_keys")
@@ -29,20 +31,24 @@ class AdmitMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ChunkMsg(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "sample", "sampling", "sample_index")
+    __slots__ = ("request_id", "token_ids", "start", "sample", "sampling", "sample_index", "prompt_logprobs", "next_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
     sample: bool
     sampling: SamplingParamsMsg
     sample_index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParamsMsg, _Mapping]] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    next_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParamsMsg, _Mapping]] = ..., sample_index: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class ProbeMsg(_message.Message):
     __slots__ = ("request_id", "keys")
@@ -138,8 +144,26 @@ class SampledMsg(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class PromptLogprobsMsg(_message.Message):
+    __slots__ = ("request_id", "start", "logprobs", "top_counts", "top_ids", "top_logprobs", "ranks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_counts: _containers.RepeatedScalarFieldContainer[int]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReportMsg(_message.Message):
-    __slots__ = ("step", "rank", "sampled", "probes", "pools", "error", "timings")
+    __slots__ = ("step", "rank", "sampled", "probes", "pools", "error", "timings", "prompt_logprobs")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +178,7 @@ class ReportMsg(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledMsg]
@@ -161,7 +186,8 @@ class ReportMsg(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStateMsg]
     error: str
     timings: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeAnswerMsg, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStateMsg, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobsMsg]
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeAnswerMsg, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStateMsg, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobsMsg, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
