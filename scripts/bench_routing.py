@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lockstep.bench.tiny_model import build_tiny_model
 from lockstep.local_group import free_port
 
 POLICIES = ("least-loaded", "prefix")
@@ -44,26 +45,9 @@ VOCAB = 384
 
 def build_model(path: Path, hidden: int, layers: int, max_positions: int = 2048) -> Path:
     """A random Llama with a word-level tokenizer (ids w3..w383), made once per shape and reused."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if (path / "config.json").is_file():
         return path
-    path.mkdir(parents=True, exist_ok=True)
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-         "unk_token": "<unk>", "model_max_length": max_positions}))
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return build_tiny_model(path, hidden=hidden, layers=layers, max_positions=max_positions)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    """A random Llama (hidden 64, 4 heads / 2 KV heads, 2 layers, vocab 384) with a word-level tokenizer.
+def build_tiny_model(path: Path, seed: int = 0, hidden: int = 64, layers: int = 2, max_positions: int = 512) -> Path:
+    """A random Llama (4 heads / 2 KV heads, vocab 384; hidden 64 and 2 layers unless asked) with a word-level
+    tokenizer (ids w3..w383).
 
     Weights are drawn wider than transformers' default init so greedy decoding has no near-ties and the
     served and in-process runs can be compared token for token.
@@ -27,9 +28,9 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-         "unk_token": "<unk>", "model_max_length": 512}))
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+         "unk_token": "<unk>", "model_max_length": max_positions}))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     gen = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(config)
