@@ -87,6 +87,23 @@ def _config(kind: str, bos: int, eos: int):
     raise ValueError(f"unknown checkpoint kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 
+def _randomize(model, gen, norm_center: float, norm_scale: float) -> None:
+    """Weights drawn wider than transformers' init, so greedy decoding has no near-ties; norm weights around
+    `norm_center` (1 where the norm multiplies by its weight, 0 where by 1 + weight, as Gemma's)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(norm_center + norm_scale * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
 def make_checkpoint(kind: str, path: Path) -> Path:
     """Write checkpoint `kind` into directory `path` (made if needed) and return it; reuses a finished one."""
     import torch
@@ -103,16 +120,7 @@ def make_checkpoint(kind: str, path: Path) -> Path:
     config = _config(kind, bos, eos)
     gen = torch.Generator().manual_seed(KINDS.index(kind) + 1)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    _randomize(model, gen, norm_center=1.0, norm_scale=0.2)
     shard = "40KB" if kind == "llama_gqa" else "50MB"
     model.save_pretrained(path, max_shard_size=shard)
     done.write_text(kind)
@@ -186,16 +194,7 @@ def make_gemma3_checkpoint(kind: str, path: Path) -> Path:
     bos, eos = _tokenizer(path)
     gen = torch.Generator().manual_seed(100 + GEMMA3_KINDS.index(kind))
     model = AutoModelForCausalLM.from_config(_gemma3_config(kind, bos, eos), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    _randomize(model, gen, norm_center=0.0, norm_scale=0.3)
     model.save_pretrained(path)
     if kind == "gemma3_legacy":
         _legacy_gemma3_json(path)

@@ -63,8 +63,7 @@ class Engine:
         self.config = config
         self.model_id = model_id
         self.device = kv.k[0].device
-        elem = kv.k[0].element_size()
-        self.page_bytes = {name: 2 * config.layers_of(name) * kv.page_size * kv.kv_heads * kv.head_dim * elem
+        self.page_bytes = {name: KVCache.bytes_per_page(config, comm.world_size, kv.page_size, kv.k[0].dtype, name)
                            for name in cache.pools}
 
     @classmethod
@@ -90,11 +89,10 @@ class Engine:
             raise ValueError(f"the KV budget gives {pages} pages of {cfg.page_size} tokens; give more memory")
         kv = KVCache.create(config, cfg.world_size, pages, cfg.page_size, dtype, device)
         model_id = Path(model_dir).name
-        window = config.sliding_window if POOL_SLIDING in pages else 0
         cache = RankCache(
             {name: PagePool(name, n) for name, n in pages.items()}, cfg.page_size,
             key_salt(model_id, cfg.page_size), config.max_position_embeddings, cfg.prefix_caching, cfg.rank,
-            window=window or 0,
+            window=config.sliding_window if POOL_SLIDING in pages else 0,
         )
         log.info("rank %d: KV pools %s pages of %d tokens", cfg.rank, pages, cfg.page_size)
         return cls(model, kv, cache, comm, config, model_id)
@@ -183,7 +181,8 @@ class Engine:
                 [sample_seed(c.request_id, c.sampling.seed, c.sample_index) for c in chosen],
             )
             sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
-            sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
+            if self.comm.rank == 0:  # one rank's logprobs are the group's (the coordinator reads rank 0's)
+                sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
         for chunk in batch:
             self.cache.advance(chunk)
         return sampled, scored
@@ -207,7 +206,8 @@ class Engine:
             flat += n
         with torch.inference_mode():
             logits = self.model(ids, attn, self.kv, rows=torch.tensor(rows, device=ids.device))
-        return logits[lasts], _prompt_scores(batch, logits, firsts)
+        # the rows are the same on every rank (the LM head gathers them); only rank 0 scores them
+        return logits[lasts], _prompt_scores(batch, logits, firsts) if self.comm.rank == 0 else ()
 
 
 def _prompt_scores(batch: tuple[Chunk, ...], logits: torch.Tensor, firsts: list[int]) -> tuple[PromptLogprobs, ...]:

@@ -82,13 +82,11 @@ def clamp(target: Split, reports: Sequence[Report], cost: Mapping[str, int], min
     the pages that rank says it can give up (`movable`: the top of the pool that no live request holds).
     """
     pools = [{p.pool: p for p in r.pools} for r in reports]
-    budget = min(sum(ps[p].total * cost[p] for p in cost) for ps in pools)
     base = pools[0]
-    shrink = POOL_FULL if target[POOL_FULL] < base[POOL_FULL].total else POOL_SLIDING
+    shrink = _shrinking(target, reports)
     grow = POOL_SLIDING if shrink == POOL_FULL else POOL_FULL
-    lowest = max(ps[shrink].total - ps[shrink].movable for ps in pools)
-    size = max(target[shrink], lowest)
-    split = {shrink: size, grow: (budget - size * cost[shrink]) // cost[grow]}
+    size = max(target[shrink], _lowest(reports, shrink))
+    split = {shrink: size, grow: (_budget(reports, cost) - size * cost[shrink]) // cost[grow]}
     if any(ps[p].total - split[p] > ps[p].movable for ps in pools for p in split):
         return None  # some rank would have to give up pages a live request holds
     if base[shrink].total - size < max(1, min_move * base[shrink].total) or split[grow] <= base[grow].total:
@@ -137,14 +135,13 @@ class Rebalancer:
             return None
         if len(self.uses) < max(1, p.min_samples):
             return None
-        budget = min(sum(q.total * self.cost[q.pool] for q in r.pools) for r in reports)
-        target = target_split(self.uses, budget, self.cost, self.floors)
+        target = target_split(self.uses, _budget(reports, self.cost), self.cost, self.floors)
         current = {q.pool: q.total for q in reports[0].pools}
         if off_by(current, target) <= p.threshold:
             return None
         self.reason = (f"{len(self.uses)} finished requests held {_mean(self.uses, POOL_FULL):.1f} full and "
                        f"{_mean(self.uses, POOL_SLIDING):.1f} sliding pages on average; target {target}")
-        shrink = POOL_FULL if target[POOL_FULL] < current[POOL_FULL] else POOL_SLIDING
+        shrink = _shrinking(target, reports)
         if _lowest(reports, shrink) > target[shrink]:
             self.target = target
             return Move(fence={shrink: target[shrink]})
@@ -180,6 +177,17 @@ class Rebalancer:
             self.fence_checks = 0
             if move.lift:  # the pages never drained: a new cooldown before the next try
                 self.last_time = now
+
+
+def _budget(reports: Sequence[Report], cost: Mapping[str, int]) -> int:
+    """Bytes of the smallest rank's pools: one split goes to every rank, so it must fit there."""
+    return min(sum(q.total * cost[q.pool] for q in r.pools) for r in reports)
+
+
+def _shrinking(target: Split, reports: Sequence[Report]) -> str:
+    """The pool the target takes pages from (rank 0's totals: after a rebalance every rank's are equal)."""
+    full = next(q.total for q in reports[0].pools if q.pool == POOL_FULL)
+    return POOL_FULL if target[POOL_FULL] < full else POOL_SLIDING
 
 
 def _lowest(reports: Sequence[Report], pool: str) -> int:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
+
 GEMMA3, GEMMA3_MULTIMODAL = "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", GEMMA3, GEMMA3_MULTIMODAL)
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -30,7 +32,6 @@ GEMMA3_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
-POOL_FULL, POOL_SLIDING = "full", "sliding"
 
 
 class UnsupportedModelError(ValueError):
