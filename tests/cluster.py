@@ -46,14 +46,17 @@ class Cluster:
 
     def __init__(self, model_dir: Path, tp: int = 2, kv_pages: list[int] | int = 128, page_size: int = 16,
                  coordinator_args: list[str] | None = None, log_dir: Path | None = None,
-                 prefix_caching: bool = True, groups: int = 1, group_token: bool = True) -> None:
+                 prefix_caching: bool = True, groups: int = 1, group_token: bool = True,
+                 coordinator_env: dict[str, str] | None = None, groups_file: Path | None = None) -> None:
         self.model_dir = model_dir
+        self.groups_file = groups_file  # the coordinator reads its groups from here (and re-reads them)
         self.token = secrets.token_urlsafe(16) if group_token else None
         self.tp = tp
         self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
         self.pages = [kv_pages] * tp if isinstance(kv_pages, int) else kv_pages
         self.page_size, self.prefix_caching = page_size, prefix_caching
         self.coordinator_args = coordinator_args or []
+        self.coordinator_env = coordinator_env or {}
         self.group_ports = [[free_port() for _ in range(tp)] for _ in range(groups)]
         self.rank_ports = self.group_ports[0]
         self.group_ranks: list[list[subprocess.Popen]] = [[] for _ in range(groups)]
@@ -75,13 +78,28 @@ class Cluster:
 
     def start_coordinator(self) -> None:
         cmd = [sys.executable, "-m", "lockstep.cli", "coordinator"]
-        for g, ports in enumerate(self.group_ports):
-            cmd += ["--group", f"g{g}=" + ",".join(f"127.0.0.1:{p}" for p in ports)]
+        if self.groups_file is not None:
+            self.write_groups(range(len(self.group_ports)))
+            cmd += ["--groups-file", str(self.groups_file)]
+        else:
+            for g in range(len(self.group_ports)):
+                cmd += ["--group", self.group_entry(g)]
         cmd += ["--model", str(self.model_dir), "--host", "127.0.0.1", "--http-port", str(self.http_port),
                 "--grpc-port", str(self.grpc_port), "--page-size", str(self.page_size), *self.coordinator_args]
         if not self.prefix_caching:
             cmd.append("--no-prefix-caching")
-        self.coordinator = self._spawn(cmd, self._env(), "coordinator")
+        self.coordinator = self._spawn(cmd, self._env() | self.coordinator_env, "coordinator")
+
+    def group_entry(self, group: int) -> str:
+        """`g<i>=host:port,...`: group `group` as --group and the groups file name it."""
+        return f"g{group}=" + ",".join(f"127.0.0.1:{p}" for p in self.group_ports[group])
+
+    def write_groups(self, groups: range | list[int]) -> None:
+        """Replace the groups file as the kubelet updates a mounted ConfigMap: a new file renamed over it."""
+        assert self.groups_file is not None, "the cluster was started without a groups file"
+        tmp = self.groups_file.with_name(self.groups_file.name + ".new")
+        tmp.write_text("".join(self.group_entry(g) + "\n" for g in groups))
+        os.replace(tmp, self.groups_file)
 
     def start_ranks(self, group: int = 0) -> None:
         """(Re)start every rank of a group as a new group at the same addresses, as the operator does."""
@@ -153,6 +171,19 @@ class Cluster:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"pages still used after idle: used={used} running={running} waiting={waiting}")
+            time.sleep(0.2)
+
+    def assert_request_table_empty(self, timeout: float = 10.0) -> None:
+        """Once idle, the coordinator keeps no record of any request (/health's `requests_in_flight` per
+        group): a client that hung up is noticed at the server's next write, hence the wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            _, health = http("GET", self.url + "/health")
+            in_flight = {name: g["requests_in_flight"] for name, g in health.items()}  # type: ignore[union-attr]
+            if not any(in_flight.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the coordinator still has records of requests: {in_flight}")
             time.sleep(0.2)
 
     def all_ranks(self) -> list[subprocess.Popen]:

@@ -23,9 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, rendezvous: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _worker(rank: int, world_size: int, rendezvous: str, inbox: mp.Queue, outbox: mp.Queue,
+            env: dict[str, str] | None = None) -> None:
+    import os
+
     import torch
 
+    os.environ.update(env or {})
     torch.set_num_threads(1)
     from lockstep.parallel.comm import init_comm
 
@@ -48,9 +52,12 @@ def _worker(rank: int, world_size: int, rendezvous: str, inbox: mp.Queue, outbox
 
 
 class ProcessGroup:
-    """N spawned ranks that stay up and run one function at a time, all ranks together."""
+    """N spawned ranks that stay up and run one function at a time, all ranks together.
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
+    `env` is set in each rank before it joins (say LOCKSTEP_COMM, to pick the collectives' transport).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.broken = ""
@@ -59,7 +66,7 @@ class ProcessGroup:
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         rendezvous = f"127.0.0.1:{free_port()}"
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, rendezvous, self.inboxes[r], self.outbox),
+            ctx.Process(target=_worker, args=(r, world_size, rendezvous, self.inboxes[r], self.outbox, env),
                         daemon=True)
             for r in range(world_size)
         ]

@@ -219,3 +219,12 @@ def make_sched(ranks: int = 1, budget: int = 16, seqs: int = 4, caching: bool = 
 def finished(events: list[Event]) -> dict[str, Event]:
     return {e.request_id: e for e in events if e.kind == FINISHED}
 
+
+
+def computed_tokens(plans: list[Plan]) -> dict[str, int]:
+    """Positions each request computed over `plans` (prefill chunks and decodes), by request id."""
+    out: dict[str, int] = {}
+    for plan in plans:
+        for c in plan.batch:
+            out[c.request_id] = out.get(c.request_id, 0) + len(c.token_ids)
+    return out

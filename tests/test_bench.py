@@ -72,3 +72,14 @@ def test_percentile_interpolates():
     assert percentile([1.0] * 99 + [100.0], 99) == pytest.approx(1.99)
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+def test_control_plane_mode_is_reached_through_lockstep_bench(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--control-plane", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "lockstep bench --control-plane" in out and "--agreement" in out and "NoopForwardEngine" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--control-plane" in capsys.readouterr().out

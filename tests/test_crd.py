@@ -91,6 +91,8 @@ GOOD_SPECS = [
                                "threshold": 1.0}}},
     {"kvCache": {"rebalance": {"intervalSteps": 50, "cooldownSeconds": 30.5, "minSamples": 100000,
                                "threshold": 2}}},
+    {"tls": {"secretName": "rank-certs"}},
+    {"tls": {"secretName": "rank-certs", "serverName": "lockstep-rank", "clientAuth": True}},
 ]
 
 BAD_SPECS = [
@@ -120,6 +122,11 @@ BAD_SPECS = [
     ({"kvCache": {"rebalance": {"enabled": "yes"}}}, "rebalance.enabled"),
     ({"kvCache": {"rebalance": {"interval": 5}}}, "interval"),
     ({"kvCache": {"rebalance": False}}, "rebalance"),
+    ({"tls": {}}, "secretName"),
+    ({"tls": {"secretName": ""}}, "secretName"),
+    ({"tls": {"secretName": "x", "clientAuth": "yes"}}, "clientAuth"),
+    ({"tls": {"secretName": "x", "ca": "ca.crt"}}, "ca"),
+    ({"tls": "rank-certs"}, "tls"),
 ]
 
 
@@ -225,3 +232,8 @@ def test_non_finite_numbers_are_refused(field: str, value: float) -> None:
     node[leaf] = value
     with pytest.raises(SpecError, match=rf"spec\.kvCache\.{field.replace('.', '[.]')}: must be a finite number"):
         normalize({"kvCache": kv})
+
+
+def test_tls_is_off_unless_asked_and_defaulted_inside() -> None:
+    assert "tls" not in normalize({})
+    assert normalize({"tls": {"secretName": "c"}})["tls"] == {"secretName": "c", "serverName": "", "clientAuth": False}

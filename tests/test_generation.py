@@ -243,7 +243,8 @@ def test_closing_the_text_early_closes_the_events():
         return await collect(text_stream(TOK, spec, _events(*tokens("Hello", " wor", "ld", "Hello"), log=log)))
 
     done = asyncio.run(stopped())
-    assert done == Completion("Hello wor", [tid("Hello"), tid(" wor"), tid("ld")], FinishReason.STOP, 0)
+    assert done == Completion("Hello wor", [tid("Hello"), tid(" wor"), tid("ld")], FinishReason.STOP, 0,
+                              stop_reason="ld")
     assert log == ["closed"]
 
 
@@ -268,10 +269,11 @@ def test_grpc_optional_fields_become_sampling_fields():
     from lockstep.coordinator.grpc_api import request_spec, sampling_fields
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 
-    assert sampling_fields(ipb.GenerateRequest(text="x")) == SamplingFields(stop=[])
+    assert sampling_fields(ipb.GenerateRequest(text="x")) == SamplingFields(stop=[], stop_token_ids=[])
     got = sampling_fields(ipb.GenerateRequest(text="x", temperature=0, top_p=0.5, top_k=-1, seed=3, max_tokens=4,
                                               stop=["a", "b"]))
-    assert got == SamplingFields(temperature=0.0, top_p=0.5, top_k=-1, seed=3, max_tokens=4, stop=["a", "b"])
+    assert got == SamplingFields(temperature=0.0, top_p=0.5, top_k=-1, seed=3, max_tokens=4, stop=["a", "b"],
+                                 stop_token_ids=[])
     spec, rid = request_spec(MODEL, ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6]), temperature=0,
                                                         request_id="mine"))
     assert rid == "mine" and spec.prompt_ids == [5, 6] and spec.sampling.temperature == 0.0

@@ -329,3 +329,31 @@ def test_prefix_routing_keeps_a_prefix_on_one_group_and_hits_its_cache_far_more_
         c.assert_no_leak()
     finally:
         c.close()
+
+
+def test_a_prefix_the_ranks_evicted_behind_the_routers_back_shows_expected_above_agreed(tiny_llama, tmp_path):
+    """The coordinator's routing map says a group holds a prefix; the group's ranks evicted it since (their own
+    LRU, under other prompts: nothing the coordinator is told). The next request with that prefix still goes
+    there, and `lockstep_routing_expected_hit_tokens_total` passes `lockstep_routing_agreed_hit_tokens_total`:
+    what an operator watches to see the map go stale. While the map is right, the two agree."""
+    c = Cluster(tiny_llama, tp=1, kv_pages=40, log_dir=tmp_path, groups=2)
+    try:
+        assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
+        hot = prompt(700, 128)  # 8 pages
+        complete(c, hot + prompt(701, 8), 1)
+        home = "g0" if c.metric("lockstep_routing_decisions_total", group="g0", reason="least_loaded")[0] else "g1"
+        expected = lambda: c.metric("lockstep_routing_expected_hit_tokens_total", group=home)[0]
+        agreed = lambda: c.metric("lockstep_routing_agreed_hit_tokens_total", group=home)[0]
+        assert complete(c, hot + prompt(702, 8), 1)["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+        assert (expected(), agreed()) == (128, 128)
+        for i in range(14):  # new prompts of 9 pages spread over both groups: more than the 40 pages of `home`
+            complete(c, prompt(800 + i, 144), 1)
+        assert sum(c.metric("lockstep_routing_decisions_total", group=home, reason="least_loaded")) >= 6
+        body = complete(c, hot + prompt(703, 8), 1)
+        assert c.metric("lockstep_routing_decisions_total", group=home, reason="prefix")[0] == 2
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached < 128 and (expected(), agreed()) == (256, 128 + cached)
+        assert sum(c.metric("lockstep_requests_dropped_total")) == 0
+        c.assert_no_leak()
+    finally:
+        c.close()

@@ -17,13 +17,14 @@ from cluster import Cluster, http
 TOL = 1e-4
 BUDGET = 24
 CHAT = "/v1/chat/completions"
+MAX_LOGPROBS = 25  # above vLLM's default 20: the coordinator's --max-logprobs is what counts
 
 
 @pytest.fixture(scope="module")
 def group(tiny_llama, tmp_path_factory):
     # a small token budget: a prompt over BUDGET tokens is prefilled in chunks, which prompt logprobs must span
     c = Cluster(tiny_llama, tp=2, kv_pages=128, log_dir=tmp_path_factory.mktemp("logs"),
-                coordinator_args=["--max-num-batched-tokens", str(BUDGET)])
+                coordinator_args=["--max-num-batched-tokens", str(BUDGET), "--max-logprobs", str(MAX_LOGPROBS)])
     yield c
     c.close()
 
@@ -239,7 +240,7 @@ def test_echo_logprobs_with_the_openai_client(group, log_softmax, text, no_leak)
     ref = log_softmax(ids)
     assert lps.token_logprobs[1:30] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, 30)], abs=TOL)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model=out.model, prompt=ids, max_tokens=2, echo=True, logprobs=21)
+        client.completions.create(model=out.model, prompt=ids, max_tokens=2, echo=True, logprobs=MAX_LOGPROBS + 1)
 
 
 def test_echo_of_a_one_token_prompt_and_of_n_choices(group, no_leak):
@@ -393,3 +394,123 @@ def test_vllm_prompt_logprobs_carry_each_prompt_tokens_logprob_and_rank(group, l
             assert got[i][str(j)]["rank"] == rank or j == t
     first = _stream(group, "/v1/completions", body)[0]["choices"][0]
     assert first["prompt_logprobs"] == got
+
+
+def test_max_logprobs_is_the_coordinators_setting(group, no_leak):
+    """--max-logprobs 25: 25 is served (the k most likely and the sampled one), 26 is a 400 naming the limit,
+    on completions, chat and /openapi.json alike."""
+    body = {"prompt": prompt(7, 12), "max_tokens": 2, "temperature": 0, "logprobs": MAX_LOGPROBS}
+    status, out = group.complete(body)
+    assert status == 200, out
+    assert len(out["choices"][0]["logprobs"]["top_logprobs"]) == 2
+    status, err = group.complete({**body, "logprobs": MAX_LOGPROBS + 1})
+    assert status == 400 and err["error"]["param"] == "logprobs" and str(MAX_LOGPROBS) in err["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": MAX_LOGPROBS}
+    status, out = http("POST", group.url + CHAT, chat)
+    assert status == 200, out
+    assert [len(e["top_logprobs"]) for e in out["choices"][0]["logprobs"]["content"]] == [MAX_LOGPROBS] * 2
+    status, err = http("POST", group.url + CHAT, {**chat, "top_logprobs": MAX_LOGPROBS + 1})
+    assert status == 400 and err["error"]["param"] == "top_logprobs"
+    status, doc = http("GET", group.url + "/openapi.json")
+    schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert f'"maximum": {MAX_LOGPROBS}' in json.dumps(_find(schema, "logprobs"))
+
+
+def _find(schema, name: str):
+    """The first property schema called `name` anywhere inside an OpenAPI schema."""
+    if isinstance(schema, dict):
+        if name in schema.get("properties", {}):
+            return schema["properties"][name]
+        for v in schema.values():
+            found = _find(v, name)
+            if found is not None:
+                return found
+    elif isinstance(schema, list):
+        for v in schema:
+            found = _find(v, name)
+            if found is not None:
+                return found
+    return None
+
+
+# ----- issue 13's leftovers on the real group: echo without generation, stop_reason, gRPC prompt_logprobs
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_as_max_tokens_1_does(group, log_softmax, no_leak):
+    """vLLM's echo without generation: the prompt and its logprobs, nothing generated, finish_reason "length";
+    the ranks ran it with one token, which is dropped."""
+    ids, k = prompt(95, BUDGET + 5), 2  # two chunks of prefill
+    body = {"prompt": ids, "echo": True, "logprobs": k, "temperature": 0, "return_token_ids": True}
+    status, zero = group.complete({**body, "max_tokens": 0})
+    assert status == 200, zero
+    status, one = group.complete({**body, "max_tokens": 1})
+    assert status == 200, one
+    z, o = zero["choices"][0], one["choices"][0]
+    assert z["token_ids"] == [] and z["finish_reason"] == "length" and z["stop_reason"] is None
+    assert z["text"] == o["text"][:len(z["text"])] and len(o["token_ids"]) == 1
+    assert zero["usage"]["completion_tokens"] == 0 and zero["usage"]["prompt_tokens"] == len(ids)
+    assert {name: values[:len(ids)] for name, values in o["logprobs"].items()} == z["logprobs"]
+    ref = log_softmax(ids)
+    assert z["logprobs"]["token_logprobs"][1:] == pytest.approx([ref[i - 1, ids[i]].item()
+                                                                 for i in range(1, len(ids))], abs=TOL)
+    streamed = _stream(group, "/v1/completions", {**body, "max_tokens": 0})
+    assert "".join(c["choices"][0]["text"] for c in streamed) == z["text"]
+    assert [t for c in streamed for t in c["choices"][0]["logprobs"]["token_logprobs"]] == \
+        z["logprobs"]["token_logprobs"]
+    status, bad = group.complete({"prompt": ids, "max_tokens": 0})
+    assert status == 400 and bad["error"]["param"] == "max_tokens", bad
+
+
+def test_stop_reason_names_the_stop_token_or_string_that_ended_the_choice(group, text, no_leak):
+    ids = prompt(96, 10)
+    status, free = group.complete({"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                   "return_token_ids": True})
+    assert status == 200, free
+    gen = free["choices"][0]["token_ids"]
+    assert free["choices"][0]["stop_reason"] is None  # the length ended it
+    at = gen[2]
+    status, out = group.complete({"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                  "stop_token_ids": [at], "return_token_ids": True})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == at
+    assert choice["token_ids"] == gen[:gen.index(at) + 1]
+    words = free["choices"][0]["text"]
+    assert words, free  # the tiny model's greedy text: its last character is a stop string that fires
+    chunks = _stream(group, "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                                "stop": [words[-1]]})
+    ends = [c["choices"][0] for c in chunks]
+    assert (ends[-1]["finish_reason"], ends[-1]["stop_reason"]) == ("stop", words[-1])
+    assert [e["stop_reason"] for e in ends[:-1]] == [None] * (len(ends) - 1)
+    assert "".join(e["text"] for e in ends) == words[:words.index(words[-1])]
+
+
+def test_grpc_prompt_logprobs_over_a_real_channel(group, log_softmax, no_leak):
+    import asyncio
+
+    import grpc
+
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
+
+    ids, k = prompt(97, BUDGET + 3), 3
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=2, temperature=0, prompt_logprobs=k,
+                              ignore_eos=True)
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{group.grpc_port}") as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            return await stub.Complete(req), [m async for m in stub.Generate(req)]
+
+    done, streamed = asyncio.run(go())
+    ref = log_softmax(ids)
+    assert [m.token_id for m in done.prompt_logprobs] == ids[1:]
+    for i, m in enumerate(done.prompt_logprobs, start=1):
+        row = ref[i - 1]
+        assert m.logprob == pytest.approx(row[ids[i]].item(), abs=TOL)
+        assert m.rank == int((row > row[ids[i]]).sum()) + 1
+        assert list(m.top_ids) == row.topk(k).indices.tolist()
+        assert list(m.top_logprobs) == pytest.approx(row.topk(k).values.tolist(), abs=TOL)
+    assert list(streamed[0].prompt_logprobs) == list(done.prompt_logprobs)
+    assert not any(m.prompt_logprobs for m in streamed[1:]) and streamed[-1].finish_reason == "length"

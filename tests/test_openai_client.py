@@ -210,3 +210,27 @@ def test_logprobs_parse_as_the_clients_types(served):
                 client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
         assert refused.value.param == param
     served.assert_no_leak()
+
+
+def test_stop_reason_and_echo_without_generation(served):
+    """vLLM's per-choice stop_reason as the client reads it (an extra field of its Choice), in a whole answer and
+    in the streamed chunk that ends the choice; and max_tokens 0 with echo: the prompt, nothing generated."""
+    client = _client(served)
+    args = {"model": MODEL, "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0}
+    full = client.completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = _ids(full.choices[0])
+    extra = {"ignore_eos": True, "stop_token_ids": [ids[2]]}
+    cut = client.completions.create(**args, extra_body=extra)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == ids[2]
+    assert full.choices[0].model_extra["stop_reason"] is None
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, stream=True, extra_body=extra)
+    ends = [c.choices[0] for c in chat if c.choices and c.choices[0].finish_reason is not None]
+    assert len(ends) == 1 and ends[0].model_extra["stop_reason"] in (None, ids[2])
+    assert (ends[0].model_extra["stop_reason"] == ids[2]) == (ends[0].finish_reason == "stop")
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=0, echo=True, logprobs=1)
+    assert echoed.choices[0].text == "Hello" and echoed.choices[0].finish_reason == "length"
+    assert echoed.usage.completion_tokens == 0 and echoed.choices[0].logprobs.token_logprobs[0] is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)
+    served.assert_no_leak()

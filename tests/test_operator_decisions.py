@@ -13,12 +13,14 @@ import pytest
 from lockstep_operator import handlers
 from lockstep_operator import manifests as m
 from lockstep_operator.decisions import (
+    CoordinatorView,
     Rollout,
     condition,
     decide_phase,
     decide_recreate,
     decide_rollout,
     decide_status,
+    degraded_condition,
     invalid_status,
     ready_ranks,
     recreate_reason,
@@ -187,31 +189,38 @@ def observed(*groups: GroupState, conditions: dict[str, Transition] | None = Non
 SPEC2 = normalize({"model": {"path": "/m"}, "tensorParallelSize": 2, "groups": 2})
 
 
+UP = {"g0": {"up": True, "reason": "", "step": 9, "draining": False},
+      "g1": {"up": True, "reason": "", "step": 4, "draining": False}}
+
+
 @pytest.mark.parametrize(("groups", "restarted", "phase", "ready", "conditions"), [
     pytest.param((group(0), group(1)), (), "Ready", 2,
                  {"Ready": "AllGroupsReady", "Progressing": "Stable", "Degraded": "AsExpected"}, id="ready"),
     pytest.param((down(0), down(1)), (), "Progressing", 0,
-                 {"Ready": "GroupsNotReady", "Progressing": "GroupsStarting", "Degraded": "AsExpected"},
+                 {"Ready": "GroupsNotReady", "Progressing": "GroupsStarting", "Degraded": "RanksNotReady"},
                  id="starting"),
     pytest.param((group(0), down(1)), (), "Degraded", 1,
-                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "GroupsDown"}, id="one-down"),
+                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "RanksNotReady"}, id="one-down"),
     pytest.param((down(0, pending_recreate="why"), down(1)), (), "Degraded", 0,
-                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "GroupsDown"},
+                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "RanksNotReady"},
                  id="recreate-waits"),
     pytest.param((group(0, exists=False), group(1)), (), "Degraded", 1,
-                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "GroupsDown"}, id="missing"),
+                 {"Ready": "GroupsNotReady", "Progressing": "Stable", "Degraded": "RanksNotReady"}, id="missing"),
     pytest.param((down(0, restarts=3), down(1)), ("demo-g0", "demo-g1"), "Progressing", 0,
-                 {"Ready": "GroupsNotReady", "Progressing": "GroupsStarting", "Degraded": "AsExpected"},
+                 {"Ready": "GroupsNotReady", "Progressing": "GroupsStarting", "Degraded": "RanksNotReady"},
                  id="two-recreated-at-once"),
 ])
 def test_status(groups: tuple[GroupState, ...], restarted: tuple[str, ...], phase: str, ready: int,
                 conditions: dict[str, str]) -> None:
-    status = decide_status(observed(*groups), SPEC2, 7, NOW, restarted)
+    """Ready and Progressing follow the phase; Degraded follows each group's ranks (the coordinator says
+    every group is up here: `test_degraded_condition` has what it says otherwise)."""
+    status = decide_status(observed(*groups), SPEC2, 7, NOW, restarted, CoordinatorView(health=UP))
     assert status["phase"] == phase and status["readyGroups"] == ready and status["replicas"] == 2
     assert status["observedGeneration"] == 7
     phase_conditions, coordinator_conditions = status["conditions"][:3], status["conditions"][3:]
     assert {c["type"]: c["reason"] for c in phase_conditions} == conditions
-    assert [c["status"] == "True" for c in phase_conditions] == [k == phase for k in conditions]
+    assert [c["status"] == "True" for c in phase_conditions[:2]] == [k == phase for k in ("Ready", "Progressing")]
+    assert phase_conditions[2]["status"] == ("False" if ready == 2 else "True")
     assert [(c["type"], c["status"], c["reason"]) for c in coordinator_conditions] == [
         ("Draining", "False", "NoDrain"), ("AgreementStalled", "Unknown", "MetricsUnavailable")]
     assert status["endpoint"] == "http://demo.ml.svc.cluster.local:8000"
@@ -222,9 +231,52 @@ def test_status(groups: tuple[GroupState, ...], restarted: tuple[str, ...], phas
                          "pendingRecreate": g.pending_recreate is not None, "draining": False}
 
 
+def health(**changes: dict[str, Any] | None) -> dict[str, Any]:
+    """The coordinator's /health body with both groups up, changed per group as given (None: not listed)."""
+    out: dict[str, Any] = {g: dict(entry) for g, entry in UP.items()}
+    for g, change in changes.items():
+        if change is None:
+            out.pop(g)
+        else:
+            out[g].update(change)
+    return out
+
+
+@pytest.mark.parametrize(("groups", "coordinator", "status", "reason", "names"), [
+    pytest.param((group(0), group(1)), health(), "False", "AsExpected", (), id="all-serve"),
+    pytest.param((group(0), group(1)), health(g1={"draining": True}), "False", "AsExpected", (),
+                 id="draining-is-not-degraded"),
+    pytest.param((group(0), group(1)), None, "Unknown", "CoordinatorUnavailable", (), id="coordinator-unreadable"),
+    pytest.param((group(0), down(1)), None, "True", "RanksNotReady", ("demo-g1: 0/2 ranks ready",),
+                 id="pods-say-so-without-the-coordinator"),
+    pytest.param((group(0, pods=(pod("demo-g0-0"),)), group(1)), health(), "True", "RanksNotReady",
+                 ("demo-g0: 1/2 ranks ready",), id="a-rank-not-ready"),
+    pytest.param((group(0, exists=False), group(1)), health(), "True", "RanksNotReady", ("demo-g0: 0/2",),
+                 id="no-statefulset"),
+    pytest.param((group(0), group(1)), health(g1={"up": False, "reason": "rank 1 of group g1 is down; now: "
+                                                   "waiting for rank 1"}),
+                 "True", "GroupNotServing", ("demo-g1 (coordinator group g1) is not serving: rank 1 of group g1 "
+                                             "is down; now: waiting for rank 1",), id="dead-rank"),
+    pytest.param((group(0), down(1)), health(g1={"up": False, "reason": ""}), "True", "GroupNotServing",
+                 ("demo-g1 (coordinator group g1) is not serving: down", "demo-g1: 0/2 ranks ready"),
+                 id="recovering-both-say-so"),
+    pytest.param((group(0), group(1)), health(g1=None), "True", "GroupNotServing",
+                 ("demo-g1: the coordinator has no group g1",), id="not-a-coordinator-group-yet"),
+])
+def test_degraded_condition(groups: tuple[GroupState, ...], coordinator: dict[str, Any] | None, status: str,
+                            reason: str, names: tuple[str, ...]) -> None:
+    value, why, message = degraded_condition(groups, 2, coordinator)
+    assert (value, why) == (status, reason)
+    assert all(n in message for n in names), message
+    status_out = decide_status(observed(*groups), SPEC2, 1, NOW, (), CoordinatorView(health=coordinator))
+    degraded = next(c for c in status_out["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (value, why, message)
+
+
 def test_status_keeps_transition_times_and_counts_ranks_against_the_spec() -> None:
-    before = {"Ready": Transition("False", EARLIER), "Degraded": Transition("False", EARLIER)}
-    # The StatefulSet still has 1 replica (not rolled yet) and its one rank is ready: not ready at TP 2.
+    before = {"Ready": Transition("False", EARLIER), "Degraded": Transition("True", EARLIER)}
+    # The StatefulSet still has 1 replica (not rolled yet) and its one rank is ready: not ready at TP 2,
+    # so Degraded (1/2 ranks ready) as before.
     one = group(0, replicas=1, pods=(pod("demo-g0-0"),))
     status = decide_status(observed(one, conditions=before), normalize({"model": {"path": "/m"},
                                                                         "tensorParallelSize": 2}), None, NOW)

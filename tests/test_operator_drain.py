@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 
 import kopf
 import pytest
@@ -17,12 +18,15 @@ from lockstep_operator.drain import (
     MAX_UNREACHABLE,
     Answer,
     Drain,
+    adopt_drains,
     after_answer,
     api_key,
     coordinator_group,
     coordinator_url,
     decide_drain,
     draining_condition,
+    from_iso,
+    iso,
     new_drain,
     others_serve,
     poll_timeout,
@@ -162,6 +166,25 @@ def test_status_shows_the_drain() -> None:
     assert status["groups"][0]["draining"] is True
 
 
+def test_a_restarted_operator_keeps_draining_true_until_it_has_asked_the_coordinator() -> None:
+    """A new operator knows no drain until it has read the coordinator's /health: until then a Draining=True
+    stays True with its time (flipping it to False and back would move the drain's deadline)."""
+    from lockstep_operator.observe import Transition
+
+    group = GroupState(index=0, name="demo-g0", exists=True, replicas=1, current_hash="h", desired_hash="h",
+                       in_spec=True, labelled=True)
+    was = Observed(namespace="ml", name="demo", groups=(group,),
+                   conditions={"Draining": Transition("True", "2025-01-01T00:00:00Z")})
+    now = "2025-01-01T00:05:00Z"
+    kept = {c["type"]: c for c in decide_status(was, SPEC, 1, now, (), CoordinatorView(adopting=True))["conditions"]}
+    assert (kept["Draining"]["status"], kept["Draining"]["lastTransitionTime"]) == ("True", "2025-01-01T00:00:00Z")
+    done = {c["type"]: c for c in decide_status(was, SPEC, 1, now, (), CoordinatorView())["conditions"]}
+    assert (done["Draining"]["status"], done["Draining"]["lastTransitionTime"]) == ("False", now)
+    fresh = Observed(namespace="ml", name="demo", groups=(group,))
+    new = {c["type"]: c for c in decide_status(fresh, SPEC, 1, now, (), CoordinatorView(adopting=True))["conditions"]}
+    assert new["Draining"]["status"] == "False"  # nothing to keep: a new resource is not draining
+
+
 # --- the gate the handlers use ------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -171,8 +194,15 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return posted
 
 
-def test_gate_starts_waits_then_proceeds_and_remembers_the_resume(events: list[str]) -> None:
+def adopted_memory() -> OperatorMemory:
+    """A memory whose drains of before a restart were looked for already (see the restart tests below)."""
     memory = OperatorMemory(kube=None)  # type: ignore[arg-type] - the gate makes no API call
+    memory.adopted.add(KEY[:2])
+    return memory
+
+
+def test_gate_starts_waits_then_proceeds_and_remembers_the_resume(events: list[str]) -> None:
+    memory = adopted_memory()
     clock = [T0]
     step = drainer.gate(memory, OWNER, SPEC, KEY, "g0", "roll", True, clock=lambda: clock[0])
     assert step.action == "wait" and memory.drains[KEY].migrate and events == ["DrainStarted"]
@@ -187,7 +217,7 @@ def test_gate_starts_waits_then_proceeds_and_remembers_the_resume(events: list[s
 
 
 def test_gate_times_out_with_a_warning_and_a_new_drain_supersedes_a_resume(events: list[str]) -> None:
-    memory = OperatorMemory(kube=None)  # type: ignore[arg-type]
+    memory = adopted_memory()
     memory.resumes[KEY] = "g0"
     drainer.gate(memory, OWNER, SPEC, KEY, "g0", "recreate", False, clock=lambda: T0)
     assert not memory.resumes, "a drain asked again must not be undone by the resume of the last one"
@@ -228,7 +258,8 @@ def test_delete_drains_every_group_and_goes_on_when_the_coordinator_is_gone(
 
 def test_refresh_reads_stalled_agreements_from_the_real_coordinator(monkeypatch: pytest.MonkeyPatch) -> None:
     """The status timer reads lockstep_agreements_stalled from the coordinator's own /metrics (the real app,
-    its groups not started) into the AgreementStalled condition, naming the group."""
+    its groups not started) into the AgreementStalled condition, naming the group, and its /health into the
+    Degraded condition."""
     from lockstep.coordinator.config import CoordinatorConfig
     from lockstep.coordinator.group import GroupRunner
     from lockstep.coordinator.openai_api import OpenAIServer, run_app
@@ -257,6 +288,9 @@ def test_refresh_reads_stalled_agreements_from_the_real_coordinator(monkeypatch:
     stalled = next(c for c in status["conditions"] if c["type"] == "AgreementStalled")
     assert (stalled["status"], stalled["reason"]) == ("True", "AgreementStalled") and "g1" in stalled["message"]
     assert "g0" not in stalled["message"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")  # its groups never connected
+    assert (degraded["status"], degraded["reason"]) == ("True", "GroupNotServing")
+    assert "coordinator group g0" in degraded["message"] and "coordinator group g1" in degraded["message"]
 
 
 def test_drain_ticks_look_at_resumes_only_every_resume_poll() -> None:
@@ -271,3 +305,112 @@ def test_drain_ticks_look_at_resumes_only_every_resume_poll() -> None:
     assert drainer.has_work(memory, "ml", "demo", T0 + 5)
     memory.drains[KEY] = asked()
     assert drainer.has_work(memory, "ml", "demo", T0 + 1)
+
+
+# --- after an operator restart: the drains taken back from the coordinator's /health ------------------------
+
+def coordinator_health(**draining: bool) -> dict:
+    """The coordinator's /health body: g0 and g1 up, draining as given."""
+    return {g: {"up": True, "reason": "", "step": 3, "draining": draining.get(g, False)} for g in ("g0", "g1")}
+
+
+@pytest.mark.parametrize(("health", "ours", "wanted", "known", "drains", "resumes"), [
+    pytest.param(coordinator_health(g0=True), {"demo-g0": 0}, {"demo-g0": ("roll", True)}, (),
+                 {"demo-g0": asked()}, {}, id="still-wanted-waits-under-its-old-deadline"),
+    pytest.param(coordinator_health(g0=True), {"demo-g0": 0}, {}, (), {}, {"demo-g0": "g0"},
+                 id="done-with-is-resumed"),
+    pytest.param(coordinator_health(g1=True), {"demo-g3": 1}, {"demo-g3": ("remove", False)}, (),
+                 {"demo-g3": asked(group="g1", why="remove", migrate=False)}, {}, id="a-removal-by-index"),
+    pytest.param(coordinator_health(g0=True), {}, {"demo-g0": ("roll", True)}, (), {}, {},
+                 id="someone-elses-drain-stays-theirs"),
+    pytest.param(coordinator_health(g0=True), {"demo-g0": 0}, {"demo-g0": ("roll", True)}, ("demo-g0",), {}, {},
+                 id="remembered-already"),
+    pytest.param(coordinator_health(), {"demo-g0": 0}, {"demo-g0": ("roll", True)}, (), {}, {},
+                 id="not-draining-at-the-coordinator"),
+    pytest.param({"g1": {"up": False, "draining": True}}, {"demo-g0": 0}, {}, (), {}, {},
+                 id="not-a-coordinator-group"),
+])
+def test_adopt_drains(health: dict, ours: dict, wanted: dict, known: tuple, drains: dict, resumes: dict) -> None:
+    assert adopt_drains(health, ours, wanted, known, T0, 60) == (drains, resumes)
+
+
+def test_status_times_read_back_as_clock_values() -> None:
+    assert from_iso(iso(T0)) == T0
+    assert from_iso(None) is None and from_iso("yesterday") is None
+
+
+def test_drain_waits_are_logged_at_info_and_never_posted_as_events() -> None:
+    """kopf logs each retry of a waiting reconcile at ERROR and would post it as an Error event every
+    RECHECK_SECONDS; the drain's own start and end events say what happens."""
+    from kopf._core.engines.posting import K8sPoster
+
+    logger = logging.getLogger("test.kopf.objects")
+    drainer.quiet_drain_waits(logger)
+    drainer.quiet_drain_waits(logger)
+    assert len(logger.filters) == 1
+
+    settings = kopf.OperatorSettings()
+    settings.posting.loggers = True  # kopf posts log records as events (older kopf did by default)
+
+    def record(message: str) -> logging.LogRecord:
+        rec = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, message, (), None,
+                                extra={"settings": settings, "k8s_ref": {"name": "demo"}})
+        logger.filter(rec)
+        return rec
+
+    waiting = record(f"Handler 'reconcile' failed temporarily: {drainer.DRAIN_WAIT}demo-g0")
+    assert (waiting.levelno, waiting.levelname) == (logging.INFO, "INFO") and not K8sPoster().filter(waiting)
+    other = record("Handler 'reconcile' failed temporarily: the API server said 500")
+    assert other.levelno == logging.ERROR and K8sPoster().filter(other)
+
+
+def test_no_drain_starts_before_the_coordinators_drains_were_looked_for(events: list[str]) -> None:
+    """Just after a restart the drain a reconcile asks for may be running already: it waits until the daemon
+    looked at /health (read, or unreadable: then there is nothing to take back that could be driven)."""
+    memory = OperatorMemory(kube=None)  # type: ignore[arg-type]
+    step = drainer.gate(memory, OWNER, SPEC, KEY, "g0", "roll", True, clock=lambda: T0)
+    assert step.action == "wait" and not memory.drains and not events
+    memory.next_adopt_check[KEY[:2]] = T0 + 5  # /health could not be read
+    assert drainer.gate(memory, OWNER, SPEC, KEY, "g0", "roll", True, clock=lambda: T0).action == "wait"
+    assert memory.drains[KEY].started == T0 and events == ["DrainStarted"]
+
+
+def test_adoption_is_tried_again_later_when_the_coordinator_cannot_be_read() -> None:
+    memory = OperatorMemory(kube=None)  # type: ignore[arg-type]
+    owner = copy.deepcopy(OWNER)
+    asyncio.run(drainer.adopt_once(memory, owner, SPEC, "http://127.0.0.1:9", clock=lambda: T0))
+    assert memory.adoption_tried("ml", "demo") and ("ml", "demo") not in memory.adopted
+    assert memory.next_adopt_check[("ml", "demo")] == T0 + drainer.RESUME_POLL_SECONDS
+
+
+def test_a_restarted_operator_takes_its_drain_back_and_waits_without_a_second_start(
+        monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
+    """The operator drained demo-g1 before rolling it, and demo-g0 before a recreate it has carried out, then
+    restarted (its memory is empty). From the coordinator's /health and its own last status it waits on for
+    demo-g1 under the old deadline (no second DrainStarted, its retries not posted) and resumes demo-g0 once
+    it serves."""
+    from test_operator_decisions import MemoryKube, k8s_pod, sts
+
+    started = time.time() - 10
+    changed = normalize({**SPEC, "image": "someone/else:2"})
+    owner = copy.deepcopy(OWNER)
+    owner["status"] = {"groups": [{"name": "demo-g0", "draining": True}, {"name": "demo-g1", "draining": True}],
+                       "conditions": [{"type": "Draining", "status": "True", "lastTransitionTime": iso(started)}]}
+    objects = [owner, sts(0, SPEC), sts(1, changed)]
+    objects += [k8s_pod(f"demo-g{i}", r, objects[1 + i]["spec"]["template"])
+                for i in range(2) for r in range(SPEC["tensorParallelSize"])]
+    memory = OperatorMemory(kube=MemoryKube(objects))
+
+    drainer.adopt(memory, owner, SPEC, coordinator_health(g0=True, g1=True))
+    assert memory.adopted == {("ml", "demo")}
+    assert memory.resumes == {KEY: "g0"}
+    record = memory.drains[("ml", "demo", "demo-g1")]
+    assert (record.group, record.why, record.migrate) == ("g1", "roll", True)
+    assert record.started == pytest.approx(int(started)) and record.deadline == record.started + 60
+
+    with pytest.raises(kopf.TemporaryError, match=f"^{drainer.DRAIN_WAIT}demo-g1"):
+        handlers.reconcile(body=kopf.Body(owner), name="demo", namespace="ml", logger=logging.getLogger("test"),
+                           memo=kopf.Memo(lockstep=memory))
+    assert events == [], "a drain taken back is not started again"
+    status = memory.kube.get("LockstepDeployment", "ml", "demo")["status"]
+    assert [g["draining"] for g in status["groups"]] == [True, True]  # g0 until it is resumed

@@ -11,10 +11,14 @@ which is what pins the order drain → StatefulSet patched → resume.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import kmock
+import kopf
+import kubernetes
 import pytest
 from aiohttp import web
 
@@ -25,7 +29,7 @@ from lockstep.coordinator.service import Coordinator
 from lockstep.local_group import free_port
 from lockstep_operator import manifests as m
 from lockstep_operator.kube import Kube
-from test_operator_kmock import NS, cr, posted_event_reasons, rank_pod, run, until
+from test_operator_kmock import NS, _server_url, cr, declare, posted_event_reasons, rank_pod, run, until
 
 API_KEY = "drain-test-key"
 
@@ -231,3 +235,91 @@ def test_a_restarted_rank_drains_its_group_before_the_recreate_and_delete_drains
         finally:
             await stop(coord, server)
     run(scenario)
+
+
+def run_restartable(scenario: Callable[[Kube, kmock.KubernetesEmulator, Callable[[], Awaitable[None]]], Any]) -> None:
+    """As test_operator_kmock.run, and the scenario may restart the operator: stop it, start a new one (a new
+    memory, as a new pod would have) against the same API."""
+    async def main() -> None:
+        async with kmock.KubernetesEmulator() as k, kmock.Server(k) as server:
+            declare(k)
+            _server_url.append(str(server.url).rstrip("/"))
+            kube = Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=_server_url[-1])))
+            running: list[tuple[threading.Event, threading.Thread]] = []
+
+            def start() -> None:
+                settings = kopf.OperatorSettings()
+                settings.scanning.disabled = True
+                settings.watching.reconnect_backoff = 0.1
+                settings.queueing.idle_timeout = settings.queueing.exit_timeout = 0.5
+                stop = threading.Event()
+                thread = threading.Thread(target=asyncio.run, args=(kopf.operator(
+                    clusterwide=True, standalone=True, settings=settings, stop_flag=stop,
+                    memo=kopf.Memo(kube=kube)),), daemon=True)
+                thread.start()
+                running.append((stop, thread))
+
+            async def stop_last() -> None:
+                stop, thread = running[-1]
+                stop.set()
+                await asyncio.to_thread(thread.join, 10)
+                assert not thread.is_alive(), "the operator did not stop"
+
+            async def restart() -> None:
+                await stop_last()
+                start()
+
+            start()
+            try:
+                await scenario(kube, k, restart)
+            finally:
+                await stop_last()
+    asyncio.run(main())
+
+
+def reasons_posted(k: kmock.KubernetesEmulator) -> list[str]:
+    """Every event reason posted, in order, repeats kept."""
+    return [r.data.get("reason") for r in list(k)
+            if r.resource is not None and r.resource.plural == "events" and isinstance(r.data, dict)]
+
+
+def test_a_restarted_operator_keeps_the_drain_and_the_resume_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator restarts while it waits for a drain before a roll: the new one takes the drain back from
+    the coordinator's /health (no second DrainStarted, the same Draining condition) and rolls once it ends.
+    It restarts again between the roll and the resume: the new one resumes the group once it serves."""
+    async def scenario(kube: Kube, k: kmock.KubernetesEmulator, restart: Callable[[], Awaitable[None]]) -> None:
+        coord, calls, server = await start_coordinator(k, ["g0", "g1"], monkeypatch)
+        try:
+            await asyncio.to_thread(kube.create, cr(spec(groups=2, rollout={"drainTimeoutSeconds": 60})))
+            for g in ("demo-g0", "demo-g1"):
+                await start_pods(kube, g)
+            await until(lambda: kube.get("LockstepDeployment", NS, "demo").get("status", {}).get("readyGroups") == 2)
+            old = templates(k)
+            coord.groups["g0"].scheduler.held = True  # type: ignore[union-attr]
+            await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
+                                    {"metadata": {"generation": 2}, "spec": {"kvCache": {"pages": 64}}})
+            await until(lambda: of(calls, "/admin/drain", "g0"))
+            draining = lambda: next(c for c in kube.get("LockstepDeployment", NS, "demo")["status"]["conditions"]
+                                    if c["type"] == "Draining")
+            before = await until(lambda: draining()["status"] == "True" and draining())
+
+            await restart()
+            await asyncio.sleep(2.0)
+            assert templates(k) == old, "the drain still holds the roll back"
+            assert reasons_posted(k).count("DrainStarted") == 1
+            assert (await asyncio.to_thread(draining))["lastTransitionTime"] == before["lastTransitionTime"]
+            assert len(of(calls, "/admin/drain", "g0")) > 1 and coord.groups["g0"].draining
+
+            coord.groups["g0"].scheduler.held = False  # type: ignore[union-attr]
+            await until(lambda: kube.get("Pod", NS, "demo-g0-0") is None)
+            assert templates(k)["demo-g0"] != old["demo-g0"] and coord.groups["g0"].draining
+            await until(lambda: kube.get("LockstepDeployment", NS, "demo")["status"]["groups"][0]["draining"])
+
+            await restart()
+            await start_pods(kube, "demo-g0")
+            (resume,) = await until(lambda: of(calls, "/admin/resume", "g0"))
+            assert resume["status"] == 200 and not coord.groups["g0"].draining
+            assert reasons_posted(k).count("DrainStarted") == 1 and "Drained" in reasons_posted(k)
+        finally:
+            await stop(coord, server)
+    run_restartable(scenario)

@@ -42,6 +42,7 @@ def declare(k: kmock.KubernetesEmulator) -> None:
         kind="LockstepDeployment", singular="lockstepdeployment", namespaced=True, verbs=verbs,
         subresources={"status"})
     for key, kind in [("v1/pods", "Pod"), ("v1/services", "Service"), ("v1/events", "Event"), ("v1/secrets", "Secret"),
+                      ("v1/configmaps", "ConfigMap"),
                       ("apps/v1/statefulsets", "StatefulSet"), ("apps/v1/deployments", "Deployment"),
                       ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
         k.resources[key] = info(kind=kind, namespaced=True, verbs=verbs)
@@ -128,10 +129,11 @@ def test_create_builds_groups_coordinator_owned_and_status() -> None:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         dep = await until(lambda: kube.get("Deployment", NS, "demo-coordinator"))
         env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env["LOCKSTEP_GROUPS"].startswith("g0=demo-g0-0.demo-g0.ml.svc.cluster.local:50051,")
-        assert env["LOCKSTEP_GROUPS"].count(";") == 1
+        assert env["LOCKSTEP_GROUPS_FILE"] == f"{m.GROUPS_MOUNT}/{m.GROUPS_KEY}" and "LOCKSTEP_GROUPS" not in env
+        groups = (await asyncio.to_thread(kube.get, "ConfigMap", NS, "demo-groups"))["data"][m.GROUPS_KEY]
+        assert groups.startswith("g0=demo-g0-0.demo-g0.ml.svc.cluster.local:50051,") and groups.count("\n") == 2
         for kind, name in [("Service", "demo"), ("Service", "demo-g0"), ("Service", "demo-g1"),
-                           ("NetworkPolicy", "demo-g0")]:
+                           ("NetworkPolicy", "demo-g0"), ("ConfigMap", "demo-groups")]:
             obj = await asyncio.to_thread(kube.get, kind, NS, name)
             assert obj and obj["metadata"]["ownerReferences"][0]["uid"] == "uid-demo", (kind, name)
         assert (await asyncio.to_thread(kube.get, "Service", NS, "demo-g0"))["spec"]["publishNotReadyAddresses"]
@@ -165,18 +167,18 @@ def test_update_tp_rolls_groups_one_at_a_time_and_scaling_removes_groups() -> No
         for r in range(3):
             await asyncio.to_thread(kube.create, rank_pod("demo-g0", r, new_g0))
         await until(lambda: kube.get("StatefulSet", NS, "demo-g1")["spec"]["replicas"] == 3)
-        dep = await asyncio.to_thread(kube.get, "Deployment", NS, "demo-coordinator")
-        env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env["LOCKSTEP_GROUPS"].count(",") == 4
+        group_list = lambda: kube.get("ConfigMap", NS, "demo-groups")["data"][m.GROUPS_KEY]  # noqa: E731
+        await until(lambda: group_list().count(",") == 4)
+        template = (await asyncio.to_thread(kube.get, "Deployment", NS, "demo-coordinator"))["spec"]["template"]
 
         await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
                                 {"metadata": {"generation": 3}, "spec": {"groups": 1}})
         await until(lambda: kube.get("StatefulSet", NS, "demo-g1") is None)
         assert await asyncio.to_thread(kube.get, "Service", NS, "demo-g1") is None
         assert await asyncio.to_thread(kube.get, "StatefulSet", NS, "demo-g0") is not None
-        await until(lambda: ";" not in {e["name"]: e.get("value") for e in kube.get(
-            "Deployment", NS, "demo-coordinator")["spec"]["template"]["spec"]["containers"][0]["env"]}
-            ["LOCKSTEP_GROUPS"])
+        await until(lambda: group_list().count("\n") == 1 and group_list().startswith("g0="))
+        # the coordinator is not restarted by a change of groups: its pod template stayed as it was
+        assert (await asyncio.to_thread(kube.get, "Deployment", NS, "demo-coordinator"))["spec"]["template"] == template
     run(scenario)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
+from lockstep.coordinator.group_list import parse_group_list
 from lockstep_operator import manifests as m
 from lockstep_operator.resource import normalize
 
@@ -28,6 +29,9 @@ SPECS = {
     "rebalance": {"tensorParallelSize": 3, "groups": 2,
                   "kvCache": {"rebalance": {"enabled": False, "intervalSteps": 25, "cooldownSeconds": 30.5,
                                             "minSamples": 0, "threshold": 1.5}}},
+    "tls": {"tensorParallelSize": 3, "groups": 2, "tls": {"secretName": "rank-certs"}},
+    "tls-mutual": {"model": {"path": "/opt/model"}, "tensorParallelSize": 2,
+                   "tls": {"secretName": "rank-certs", "serverName": "lockstep-rank", "clientAuth": True}},
 }
 REBALANCE_VARIABLES = ("LOCKSTEP_REBALANCE_ENABLED", "LOCKSTEP_REBALANCE_INTERVAL_STEPS", "LOCKSTEP_REBALANCE_COOLDOWN",
                        "LOCKSTEP_REBALANCE_MIN_SAMPLES", "LOCKSTEP_REBALANCE_THRESHOLD")
@@ -61,7 +65,7 @@ def test_names_and_counts_follow_the_design() -> None:
     names = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
     assert names == sorted([("StatefulSet", "demo-g0"), ("Service", "demo-g0"), ("NetworkPolicy", "demo-g0"),
                             ("StatefulSet", "demo-g1"), ("Service", "demo-g1"), ("NetworkPolicy", "demo-g1"),
-                            ("Deployment", "demo-coordinator"), ("Service", "demo")])
+                            ("Deployment", "demo-coordinator"), ("Service", "demo"), ("ConfigMap", "demo-groups")])
     assert all(o["metadata"]["namespace"] == "ml" for o in objs)
     _, objs = build("pvc-tp4")
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"] == ["demo-g0", "demo-g1", "demo-g2"]
@@ -121,7 +125,15 @@ def test_coordinator_is_told_every_rank() -> None:
     assert c["command"] == ["lockstep", "coordinator"]
     env = env_of(c)
     ranks = lambda g: ",".join(f"demo-{g}-{r}.demo-{g}.ml.svc.cluster.local:50051" for r in range(3))
-    assert env["LOCKSTEP_GROUPS"] == f"g0={ranks('g0')};g1={ranks('g1')}"
+    assert "LOCKSTEP_GROUPS" not in env
+    assert env["LOCKSTEP_GROUPS_FILE"] == f"{m.GROUPS_MOUNT}/{m.GROUPS_KEY}"
+    groups = by(objs, "ConfigMap", "demo-groups")
+    assert groups["data"] == {m.GROUPS_KEY: f"g0={ranks('g0')}\ng1={ranks('g1')}\n"}
+    assert groups["metadata"]["labels"] == dep["template"]["metadata"]["labels"]
+    pod = dep["template"]["spec"]
+    assert {"name": m.GROUPS_VOLUME, "configMap": {"name": "demo-groups"}} in pod["volumes"]
+    # a directory mount: the kubelet never updates a subPath mount, so the coordinator would not see a change
+    assert {"name": m.GROUPS_VOLUME, "mountPath": m.GROUPS_MOUNT, "readOnly": True} in c["volumeMounts"]
     assert env["LOCKSTEP_HTTP_PORT"] == "8000" and env["LOCKSTEP_GRPC_PORT"] == "8001"
     assert env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "5"
     assert env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "30"
@@ -147,7 +159,8 @@ def test_pvc_model_scheduling_and_extra_env() -> None:
     coord = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]
     cenv = env_of(coord["containers"][0])
     assert cenv["LOCKSTEP_MODEL"] == "/models/llama" and cenv["LOCKSTEP_SERVED_MODEL_NAME"] == "llama"
-    assert cenv["LOCKSTEP_GROUPS"].count(";") == 2 and cenv["LOCKSTEP_GROUPS"].count(",") == 9
+    groups = by(objs, "ConfigMap", "demo-groups")["data"][m.GROUPS_KEY]
+    assert groups.count("\n") == 3 and groups.count(",") == 9
     assert by(objs, "Service", "demo")["spec"]["type"] == "LoadBalancer"
     assert m.endpoint("demo", "ml", spec) == "http://demo.ml.svc.cluster.local:9000"
 
@@ -195,6 +208,17 @@ def test_changing_rebalance_settings_restarts_the_coordinator_but_rolls_no_group
     assert template(default) != template(changed)
 
 
+def test_scaling_groups_changes_the_group_list_but_not_the_coordinator() -> None:
+    """The coordinator's Deployment is Recreate: a pod template that changed with `spec.groups` would restart
+    it and drop the requests in flight on every group. Only the ConfigMap it re-reads changes."""
+    two, three = (normalize({"tensorParallelSize": 3, "groups": n}) for n in (2, 3))
+    assert m.coordinator_deployment("demo", "ml", two) == m.coordinator_deployment("demo", "ml", three)
+    before, after = (m.groups_configmap("demo", "ml", s)["data"][m.GROUPS_KEY] for s in (two, three))
+    assert after.startswith(before) and after[len(before):].startswith("g2=demo-g2-0.demo-g2.ml.svc.")
+    assert parse_group_list(before) == {f"g{i}": tuple(f"demo-g{i}-{r}.demo-g{i}.ml.svc.cluster.local:50051"
+                                                      for r in range(3)) for i in range(2)}
+
+
 def test_template_hash_tracks_the_pod_spec() -> None:
     one = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 1}), 0)
     three = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3}), 0)
@@ -236,3 +260,72 @@ def test_group_token_secret_is_mounted_by_every_rank_and_the_coordinator() -> No
         assert mount["readOnly"] is True
         assert env_of(c)["LOCKSTEP_GROUP_TOKEN_FILE"] == f"{mount['mountPath']}/token"
         assert "LOCKSTEP_GROUP_TOKEN" not in env_of(c), "the token itself is never in a pod spec"
+
+
+def _tls_parts(pod: dict) -> tuple[dict, dict, dict[str, str]]:
+    """The TLS Secret volume, its mount and the env of a pod's one container."""
+    (c,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == m.TLS_VOLUME]
+    (mount,) = [mt for mt in c["volumeMounts"] if mt["name"] == m.TLS_VOLUME]
+    return volume, mount, env_of(c)
+
+
+def test_tls_ranks_serve_their_certificate_and_probes_go_to_the_plaintext_health_port() -> None:
+    _, objs = build("tls")
+    for g in ("demo-g0", "demo-g1"):
+        pod = by(objs, "StatefulSet", g)["spec"]["template"]["spec"]
+        volume, mount, env = _tls_parts(pod)
+        assert volume["secret"] == {"secretName": "rank-certs", "items": [{"key": "tls.crt", "path": "tls.crt"},
+                                                                        {"key": "tls.key", "path": "tls.key"}]}
+        assert mount == {"name": m.TLS_VOLUME, "mountPath": m.TLS_MOUNT, "readOnly": True}
+        assert env["LOCKSTEP_TLS_CERT"] == f"{m.TLS_MOUNT}/tls.crt"
+        assert env["LOCKSTEP_TLS_KEY"] == f"{m.TLS_MOUNT}/tls.key"
+        assert "LOCKSTEP_TLS_CA" not in env, "no client certificates asked without clientAuth"
+        assert env["LOCKSTEP_HEALTH_PORT"] == str(m.RANK_HEALTH_PORT) != env["LOCKSTEP_GRPC_PORT"]
+        (c,) = pod["containers"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "store": 29500,
+                                                                       "health": m.RANK_HEALTH_PORT}
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["grpc"] == {"port": m.RANK_HEALTH_PORT}
+    coord = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]
+    volume, _, env = _tls_parts(coord)
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}], "the coordinator needs no rank key"
+    assert env["LOCKSTEP_RANK_TLS_CA"] == f"{m.TLS_MOUNT}/ca.crt"
+    assert not {"LOCKSTEP_RANK_TLS_CERT", "LOCKSTEP_RANK_TLS_KEY", "LOCKSTEP_RANK_TLS_SERVER_NAME"} & set(env)
+    assert by(objs, "ConfigMap", "demo-groups")["data"][m.GROUPS_KEY].startswith(
+        "g0=demo-g0-0.demo-g0.ml.svc.cluster.local:50051,"), "the coordinator verifies each rank by the name it dials"
+
+
+def test_mutual_tls_and_a_server_name() -> None:
+    _, objs = build("tls-mutual")
+    rank = by(objs, "StatefulSet", "demo-g0")["spec"]["template"]["spec"]
+    volume, _, env = _tls_parts(rank)
+    assert [i["key"] for i in volume["secret"]["items"]] == ["tls.crt", "tls.key", "ca.crt"]
+    assert env["LOCKSTEP_TLS_CA"] == f"{m.TLS_MOUNT}/ca.crt"
+    coord = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]
+    volume, _, env = _tls_parts(coord)
+    assert [i["key"] for i in volume["secret"]["items"]] == ["ca.crt", "tls.crt", "tls.key"]
+    assert env["LOCKSTEP_RANK_TLS_CERT"] == f"{m.TLS_MOUNT}/tls.crt"
+    assert env["LOCKSTEP_RANK_TLS_KEY"] == f"{m.TLS_MOUNT}/tls.key"
+    assert env["LOCKSTEP_RANK_TLS_SERVER_NAME"] == "lockstep-rank"
+
+
+def test_tls_env_names_are_the_services_own_settings() -> None:
+    from lockstep.rank.main import SETTINGS as RANK_OWN
+    from lockstep.rank_auth import COORDINATOR_SETTINGS, RANK_SETTINGS
+
+    spec = normalize(SPECS["tls-mutual"])
+    rank_env, _, _ = m._rank_tls(spec, "rank")
+    coord_env, _, _ = m._rank_tls(spec, "coordinator")
+    assert set(rank_env) <= {s.env for s in RANK_SETTINGS + RANK_OWN}
+    assert set(coord_env) <= {s.env for s in COORDINATOR_SETTINGS}
+
+
+def test_without_tls_nothing_changes_and_turning_it_on_rolls_the_groups() -> None:
+    plain = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3}), 0)
+    assert not [v for v in plain["spec"]["volumes"] if v["name"] == m.TLS_VOLUME]
+    (c,) = plain["spec"]["containers"]
+    assert c["readinessProbe"]["grpc"] == {"port": 50051} and "LOCKSTEP_HEALTH_PORT" not in env_of(c)
+    tls = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3, "tls": {"secretName": "x"}}), 0)
+    h = lambda t: t["metadata"]["annotations"][m.ANNOTATION_HASH]
+    assert h(plain) != h(tls)

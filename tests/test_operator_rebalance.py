@@ -20,13 +20,17 @@ FIELDS = {"enabled": "enabled", "intervalSteps": "interval_steps", "cooldownSeco
 
 
 def coordinator_env(spec: dict, token_file: Path) -> dict[str, str]:
-    """The coordinator container's env as the kubelet would give it: the token file is where it is mounted."""
+    """The coordinator container's env as the kubelet would give it: the token file and the groups file (the
+    ConfigMap's data) are where they are mounted."""
     objs = m.build_all("demo", "ml", normalize(spec))
     (dep,) = [o for o in objs if o["kind"] == "Deployment"]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["LOCKSTEP_GROUP_TOKEN_FILE"].startswith(m.GROUP_TOKEN_MOUNT)
-    return env | {"LOCKSTEP_GROUP_TOKEN_FILE": str(token_file)}
+    assert env["LOCKSTEP_GROUPS_FILE"].startswith(m.GROUPS_MOUNT)
+    groups = token_file.parent / m.GROUPS_KEY
+    groups.write_text(m.groups_configmap("demo", "ml", normalize(spec))["data"][m.GROUPS_KEY])
+    return env | {"LOCKSTEP_GROUP_TOKEN_FILE": str(token_file), "LOCKSTEP_GROUPS_FILE": str(groups)}
 
 
 @pytest.fixture

@@ -71,6 +71,7 @@ class LocalKubelet:
         self.host_paths = host_paths  # hostPath / PVC claim name -> local directory
         self.services = [o for o in objects if o["kind"] == "Service"]
         self.secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+        self.configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
         self.pods: list[Pod] = []
         for obj in objects:
             if obj["kind"] == "StatefulSet":
@@ -146,6 +147,8 @@ class LocalKubelet:
                 local = self.host_paths[vol["persistentVolumeClaim"]["claimName"]]
             elif "secret" in vol:
                 local = self._secret_files(pod, vol)
+            elif "configMap" in vol:
+                local = self._configmap_files(pod, vol)
             elif "emptyDir" in vol:
                 local = self.workdir / pod.name / m["name"]
                 local.mkdir(parents=True, exist_ok=True)
@@ -170,6 +173,19 @@ class LocalKubelet:
             (local / item["path"]).chmod(0o444)
         return local
 
+    def _configmap_files(self, pod: Pod, volume: dict) -> Path:
+        """A ConfigMap volume: one file per key, with its cluster addresses made local (the coordinator's group
+        list names rank pods)."""
+        name = volume["configMap"]["name"]
+        config = self.configmaps.get(name)
+        if config is None:
+            raise ValueError(f"pod {pod.name}: volume {volume['name']} names ConfigMap {name!r}, which does not exist")
+        local = self.workdir / pod.name / volume["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        for key, text in config["data"].items():
+            (local / key).write_text(self._addresses(pod, f"ConfigMap {name} {key}", text))
+        return local
+
     def _downward(self, pod: Pod, source: dict) -> str:
         path = source.get("fieldRef", {}).get("fieldPath")
         if path is None:
@@ -185,8 +201,8 @@ class LocalKubelet:
             raise ValueError(f"pod {pod.name}: unsupported downward API field {path!r}")
         return fields[path]
 
-    def rewrite(self, pod: Pod, container: dict, key: str, value: str) -> str:
-        """One env value or argument, with cluster addresses, own ports and mount paths made local."""
+    def _addresses(self, pod: Pod, key: str, value: str) -> str:
+        """`value` with every cluster `host:port` made the local address it reaches."""
         def address(m: re.Match) -> str:
             host, port = m.group(1), int(m.group(2))
             if host in BIND_ALL:
@@ -194,9 +210,13 @@ class LocalKubelet:
             return f"127.0.0.1:{self.resolve(host, port)}"
 
         try:
-            value = HOST_PORT.sub(address, value)
+            return HOST_PORT.sub(address, value)
         except ValueError as exc:
             raise ValueError(f"pod {pod.name}, {key}={value!r}: {exc}") from None
+
+    def rewrite(self, pod: Pod, container: dict, key: str, value: str) -> str:
+        """One env value or argument, with cluster addresses, own ports and mount paths made local."""
+        value = self._addresses(pod, key, value)
         if key.endswith("_PORT") and value.isdigit():
             value = str(pod.local_port(int(value)))
         for mount, local in self._mounts(pod, container):
@@ -283,7 +303,8 @@ def test_rewritten_env_wires_every_rank_to_its_own_pod(kubelet: LocalKubelet, ti
     assert [e["LOCKSTEP_POD_INDEX"] for e in envs] == [str(i) for i in range(TP)]
     assert {e["LOCKSTEP_MODEL"] for e in envs} == {str(tiny_llama)}
     coord_env = kubelet.command(coordinator(kubelet))[1]
-    assert coord_env["LOCKSTEP_GROUPS"] == "g0=" + ",".join(f"127.0.0.1:{p}" for p in grpc_ports)
+    groups = Path(coord_env["LOCKSTEP_GROUPS_FILE"]).read_text()  # the group list ConfigMap, mounted
+    assert groups == "g0=" + ",".join(f"127.0.0.1:{p}" for p in grpc_ports) + "\n"
     assert coord_env["LOCKSTEP_MODEL"] == str(tiny_llama)
     assert int(coord_env["LOCKSTEP_HTTP_PORT"]) == kubelet.service_port(NAME, "http")
     # Every rank and the coordinator read the same group token from the Secret's mounted file.

@@ -326,3 +326,48 @@ def test_rank_process_reads_its_token_from_a_file(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tls_rank_process_answers_probes_in_plaintext_on_its_health_port_only(tmp_path: Path, pki):
+    """`lockstep rank --health-port` with TLS on: the kubelet's plaintext gRPC probe gets grpc.health.v1 there,
+    and nothing else; RankService is served only over TLS, with the token, on the main port."""
+    file = tmp_path / "token"
+    file.write_text(TOKEN)
+    port, health_port = _free_port(), _free_port()
+    proc = _start_rank(port, load_seconds=0.2, extra_env={
+        "LOCKSTEP_GROUP_TOKEN_FILE": str(file), "LOCKSTEP_HEALTH_PORT": str(health_port),
+        "LOCKSTEP_TLS_CERT": str(pki["server.pem"]), "LOCKSTEP_TLS_KEY": str(pki["server.key"])})
+    probe = grpc.insecure_channel(f"127.0.0.1:{health_port}")
+    tls = RankClientAuth(token=TOKEN, tls_ca=pki["ca.pem"].read_bytes(), tls=True)
+    try:
+        seen = _wait_for_health(probe, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)
+        assert seen[-1] == health_pb2.HealthCheckResponse.SERVING, seen
+        stub = rank_pb2_grpc.RankServiceStub(probe)
+        assert _code(lambda: stub.Info(pb.InfoRequest(), timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
+        with_token = ((TOKEN_METADATA_KEY, TOKEN),)
+        assert _code(lambda: stub.Info(pb.InfoRequest(), timeout=5, metadata=with_token)) == \
+            grpc.StatusCode.UNIMPLEMENTED
+        steps = stub.Step(iter([]), timeout=5, metadata=with_token)
+        assert _code(lambda: next(steps)) == grpc.StatusCode.UNIMPLEMENTED
+        assert _info(tls, f"127.0.0.1:{port}") == 1  # RankService: over TLS, on the main port
+        assert _info(RankClientAuth(token=TOKEN), f"127.0.0.1:{port}") == grpc.StatusCode.UNAVAILABLE
+        with tls.channel(f"127.0.0.1:{port}") as channel:  # the coordinator's health check still works there
+            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert f"plaintext health checks on port {health_port}" in proc.stderr.read()
+    finally:
+        probe.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_health_port_must_differ_from_the_grpc_port(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "50051", "--health-port", "50051"], env={}, hostname="r-0")
+    assert "--health-port (LOCKSTEP_HEALTH_PORT) must differ from --port" in capsys.readouterr().err
+    assert parse_args(["--health-port", "50052"], env={}, hostname="r-0").health_port == 50052
+    assert parse_args([], env={"LOCKSTEP_HEALTH_PORT": "9"}, hostname="r-0").health_port == 9
+    assert parse_args([], env={}, hostname="r-0").health_port is None

@@ -72,14 +72,38 @@ REFUSED = [
     (C, {**OK_PROMPT, "stop": "x" * 257}, 400, "stop", "at most 256 characters"),
     (C, {**OK_PROMPT, "foo": 1}, 400, "foo", "unsupported field 'foo'"),
     (C, {**OK_PROMPT, "messages": MSG}, 400, "messages", "unsupported field"),
-    (C, {**OK_PROMPT, "frequency_penalty": 0.5}, 400, "frequency_penalty", "accepted only as null or 0"),
-    (C, {**OK_PROMPT, "frequency_penalty": False}, 400, "frequency_penalty", "accepted only as"),
+    (C, {**OK_PROMPT, "frequency_penalty": 2.5}, 400, "frequency_penalty", "must be in [-2, 2], got 2.5"),
+    (C, {**OK_PROMPT, "frequency_penalty": False}, 400, "frequency_penalty", "must be of type integer or number"),
+    (C, {**OK_PROMPT, "frequency_penalty": "1"}, 400, "frequency_penalty", "must be of type integer or number"),
+    (C, {**OK_PROMPT, "presence_penalty": -2.01}, 400, "presence_penalty", "must be in [-2, 2]"),
+    (C, {**OK_PROMPT, "presence_penalty": 10**400}, 400, "presence_penalty", "out of range"),
+    (C, {**OK_PROMPT, "repetition_penalty": 0}, 400, "repetition_penalty", "must be > 0"),
+    (C, {**OK_PROMPT, "repetition_penalty": -1.5}, 400, "repetition_penalty", "must be > 0"),
+    (C, {**OK_PROMPT, "repetition_penalty": [1]}, 400, "repetition_penalty", "must be of type integer or number"),
+    (C, raw('{"prompt": [5], "repetition_penalty": NaN}'), 400, None, "not valid JSON"),
+    (C, {**OK_PROMPT, "min_tokens": -1}, 400, "min_tokens", "at least 0"),
+    (C, {**OK_PROMPT, "min_tokens": 1.5}, 400, "min_tokens", "must be of type integer"),
+    (C, {**OK_PROMPT, "logit_bias": {"5": 101}}, 400, "logit_bias", "between -100 and 100, got 101"),
+    (C, {**OK_PROMPT, "logit_bias": {"5": -100.5}}, 400, "logit_bias", "between -100 and 100"),
+    (C, {**OK_PROMPT, "logit_bias": {"5": "1"}}, 400, "logit_bias", "values must be numbers, got str"),
+    (C, {**OK_PROMPT, "logit_bias": {"5": True}}, 400, "logit_bias", "values must be numbers, got bool"),
+    (C, {**OK_PROMPT, "logit_bias": {"5": None}}, 400, "logit_bias", "values must be numbers"),
+    (C, {**OK_PROMPT, "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids in decimal, got 'a'"),
+    (C, {**OK_PROMPT, "logit_bias": {"-1": 1}}, 400, "logit_bias", "token ids in decimal"),
+    (C, {**OK_PROMPT, "logit_bias": {"05": 1}}, 400, "logit_bias", "token ids in decimal"),
+    (C, {**OK_PROMPT, "logit_bias": {" 5": 1}}, 400, "logit_bias", "token ids in decimal"),
+    (C, {**OK_PROMPT, "logit_bias": {"1" + "0" * 30: 1}}, 400, "logit_bias", "token ids in decimal"),
+    (C, {**OK_PROMPT, "logit_bias": {str(TOK.vocab_size): 1}}, 400, "logit_bias", f"in [0, {TOK.vocab_size})"),
+    (C, {**OK_PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", "at most 300 entries"),
+    (C, {**OK_PROMPT, "logit_bias": [[5, 1]]}, 400, "logit_bias", "must be of type object"),
     (C, {**OK_PROMPT, "logprobs": 21}, 400, "logprobs", "between 0 and 20, got 21"),
     (C, {**OK_PROMPT, "logprobs": -1}, 400, "logprobs", "between 0 and 20, got -1"),
     (C, {**OK_PROMPT, "logprobs": True}, 400, "logprobs", "got a boolean"),
     (C, {**OK_PROMPT, "logprobs": 1.5}, 400, "logprobs", "type integer"),
     (C, {**OK_PROMPT, "logprobs": 21, "echo": True}, 400, "logprobs", "between 0 and 20, got 21"),
-    (C, {**OK_PROMPT, "logprobs": 1, "echo": True, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    (C, {**OK_PROMPT, "logprobs": 1, "echo": False, "max_tokens": 0}, 400, "max_tokens", "0 only with echo"),
+    (C, {**OK_PROMPT, "echo": True, "max_tokens": -1}, 400, "max_tokens", "at least 1"),
+    (C, {**OK_PROMPT, "max_tokens": 5, "max_completion_tokens": 0}, 400, "max_completion_tokens", "between 1"),
     (C, {**OK_PROMPT, "logprobs": 1, "echo": "yes"}, 400, "echo", "type boolean"),
     (C, {**OK_PROMPT, "top_logprobs": 2}, 400, "top_logprobs", "unsupported field"),
     (C, {**OK_PROMPT, "prompt_logprobs": 21}, 400, "prompt_logprobs", "between 0 and 20, got 21"),
@@ -132,6 +156,49 @@ def test_bad_requests_are_4xx_openai_errors_that_name_the_field(path, body, stat
     assert fe.asked == []  # nothing reached the coordinator
 
 
+# refusals no JSON schema can state (one field against another): /openapi.json accepts these bodies
+REFUSED_BEYOND_THE_SCHEMA = [
+    (C, {**OK_PROMPT, "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens", "must not exceed 'max_tokens' (4)"),
+    (C, {**OK_PROMPT, "min_tokens": 3, "max_completion_tokens": 2}, 400, "min_tokens", "must not exceed"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", REFUSED_BEYOND_THE_SCHEMA)
+def test_min_tokens_over_max_tokens_is_a_400_naming_min_tokens(path, body, status, param, words):
+    test_bad_requests_are_4xx_openai_errors_that_name_the_field(path, body, status, param, words)
+
+
+def test_penalty_fields_reach_the_spec():
+    fe = ChatFrontend(tokens("Hello"))
+    body = {**OK_PROMPT, "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.3, "min_tokens": 2,
+            "max_tokens": 4, "logit_bias": {"9": 3, "2": -100}}
+    (got, answer), = _http(fe, [lambda c: _post(c, C, body)])
+    assert got == 200, answer
+    (_, spec), = fe.asked
+    p = spec.sampling
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -1.0, 1.3, 2)
+    assert p.logit_bias == ((2, -100.0), (9, 3.0))
+    (got, answer), = _http(fe, [lambda c: _post(c, C, {**OK_PROMPT, "min_tokens": 10**6})])
+    assert got == 200 and fe.asked[-1][1].sampling.min_tokens == fe.asked[-1][1].max_tokens  # up to the context
+
+
+def test_max_logprobs_is_the_servers_setting():
+    from lockstep.coordinator.config import parse_config
+    from lockstep.coordinator.openai_fields import check_fields
+
+    assert parse_config(["--group", "g=h:1"], {}).max_logprobs == 20
+    assert parse_config(["--group", "g=h:1"], {"LOCKSTEP_MAX_LOGPROBS": "5"}).max_logprobs == 5
+    assert parse_config(["--group", "g=h:1", "--max-logprobs", "0"], {}).max_logprobs == 0
+    check_fields({"prompt": "x", "logprobs": 5, "prompt_logprobs": 5}, "completions", 5)
+    for body, endpoint, name in (({"prompt": "x", "logprobs": 6}, "completions", "logprobs"),
+                                 ({"prompt": "x", "prompt_logprobs": 6}, "completions", "prompt_logprobs"),
+                                 ({"messages": MSG, "logprobs": True, "top_logprobs": 6}, "chat", "top_logprobs")):
+        with pytest.raises(ApiError) as err:
+            check_fields(body, endpoint, 5)
+        assert err.value.param == name and "between 0 and 5" in err.value.message
+        assert "--max-logprobs" in err.value.message
+
+
 ACCEPTED = [
     (C, {**OK_PROMPT, "stop": []}),
     (C, {**OK_PROMPT, "max_tokens": 8.0, "top_k": 3.0}),
@@ -154,10 +221,17 @@ ACCEPTED = [
     (C, {**OK_PROMPT, "prompt_logprobs": 0, "stream": True}),
     (C, {**OK_PROMPT, "prompt_logprobs": 20, "logprobs": 1, "echo": True}),
     (C, {**OK_PROMPT, "logprobs": 0, "echo": True, "stream": True}),
+    (C, {**OK_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}),  # vLLM's echo without generation
+    (C, {**OK_PROMPT, "max_completion_tokens": 0.0, "echo": True, "stream": True}),
     (C, {**OK_PROMPT, "logprobs": 20.0, "stream": True}),
     (CHAT, {"messages": MSG, "logprobs": True}),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 20, "stream": True}),
     (CHAT, {"messages": MSG, "logprobs": None, "top_logprobs": None}),
+    (C, {**OK_PROMPT, "frequency_penalty": -2, "presence_penalty": 2.0, "repetition_penalty": 1e-3, "min_tokens": 3,
+         "max_tokens": 3, "logit_bias": {"0": -100, str(TOK.vocab_size - 1): 100.0, "7": 0.25}}),
+    (CHAT, {"messages": MSG, "repetition_penalty": 1e300, "min_tokens": 0, "logit_bias": None,
+            "frequency_penalty": None}),
+    (C, {**OK_PROMPT, "logit_bias": {str(i): 1 for i in range(min(300, TOK.vocab_size))}, "min_tokens": 10**6}),
 ]
 
 
@@ -362,3 +436,59 @@ def test_a_503_says_when_to_retry(retry_after, header):
 
     assert _http(Down([]), [call]) == [(503, header, "group_unavailable")]
     assert ApiError(400, "x").headers() == {}
+
+
+def test_grpc_penalty_fields_are_checked_as_the_http_ones():
+    import math
+
+    from lockstep.coordinator.grpc_api import request_spec
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+
+    spec, _ = request_spec(FakeFrontend([]), ipb.GenerateRequest(
+        token_ids=ipb.TokenIds(ids=[5, 6]), max_tokens=4, repetition_penalty=1.2, frequency_penalty=0.5,
+        presence_penalty=-0.5, min_tokens=2, logit_bias={7: 5.0, 3: -1.0}))
+    p = spec.sampling
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens) == (1.2, 0.5, -0.5, 2)
+    assert p.logit_bias == ((3, -1.0), (7, 5.0))
+    unset, _ = request_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5])))
+    assert not unset.sampling.adjusts_logits
+    for fields, param in (({"repetition_penalty": 0.0}, "repetition_penalty"),
+                          ({"frequency_penalty": math.nan}, "frequency_penalty"),
+                          ({"presence_penalty": -3.0}, "presence_penalty"),
+                          ({"min_tokens": 5}, "min_tokens"),
+                          ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+                          ({"logit_bias": {TOK.vocab_size: 1.0}}, "logit_bias"),
+                          ({"logit_bias": {1: math.inf}}, "logit_bias"),
+                          ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+                          ({"logprobs": 21}, "logprobs")):
+        with pytest.raises(ApiError) as err:
+            request_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), max_tokens=4,
+                                                               **fields))
+        assert err.value.status == 400 and err.value.param == param, fields
+
+    class Limited(FakeFrontend):
+        max_logprobs = 3  # the coordinator's --max-logprobs, as the frontend tells it
+
+    with pytest.raises(ApiError) as err:
+        request_spec(Limited([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), logprobs=4))
+    assert "between 0 and 3" in err.value.message
+
+
+def test_openapi_documents_the_penalty_ranges_and_the_servers_max_logprobs():
+    import re
+
+    from lockstep.coordinator.openapi import openapi_document, request_schema
+
+    doc = openapi_document("tiny", 64, 300, "0", max_logprobs=5)
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    props = {name: schema["anyOf"][0] for name, schema in body["properties"].items() if "anyOf" in schema}
+    assert props["logprobs"]["maximum"] == props["prompt_logprobs"]["maximum"] == 5
+    assert (props["frequency_penalty"]["minimum"], props["frequency_penalty"]["maximum"]) == (-2, 2)
+    assert props["repetition_penalty"]["exclusiveMinimum"] == 0 and props["min_tokens"]["minimum"] == 0
+    bias = props["logit_bias"]
+    assert bias["maxProperties"] == 300 and bias["additionalProperties"]["maximum"] == 100
+    keys = re.compile(bias["propertyNames"]["pattern"])
+    assert [str(i) for i in range(1000) if keys.search(str(i))] == [str(i) for i in range(300)]
+    assert not any(keys.search(k) for k in ("-1", "05", "00", " 1", "1.0", "300", ""))
+    chat = request_schema("chat", "tiny", 64, 300, 7)["properties"]["top_logprobs"]["anyOf"][0]
+    assert chat["maximum"] == 7

@@ -247,6 +247,7 @@ class FakeGroup:
 
     def __init__(self, name: str) -> None:
         self.name, self.serving, self.up, self.draining, self.down_reason = name, True, True, False, ""
+        self.step = 0
         self.capacity_tokens = 0
         self.submitted: list[str] = []
 
@@ -262,6 +263,9 @@ class FakeGroup:
 
     def submit(self, request) -> None:
         self.submitted.append(request.request_id)
+
+    def adopt(self, requests) -> None:
+        self.submitted.extend(r.request_id for r in requests)
 
     async def flush(self, rank) -> None:
         return None
@@ -304,3 +308,119 @@ def test_the_coordinator_routes_records_counts_and_forgets_a_group_that_went_dow
     asyncio.run(main())
     coord = Coordinator(CoordinatorConfig(routing="least-loaded"), tokenizer=None, model_name="m", max_model_len=64)
     assert not coord.router.wants_keys
+
+
+def test_a_prefix_moved_to_another_group_is_found_there_once_recorded():
+    """What the coordinator does when it moves a request (its group went down, or drained with migrate): the
+    old group is forgotten and the request's tokens are recorded on the group it lands on, so the next request
+    with that prefix follows it there, even to the busier group."""
+    r, moved = router(), keys(1, 6)
+    r.record(moved, "g0")
+    r.forget("g0")
+    assert r.choose(keys(1, 8), loads(g0=0, g1=1), 8 * PAGE) == Route("g0", "least_loaded", 0)
+    r.record(moved, "g1")
+    assert r.choose(keys(1, 8), loads(g0=0, g1=1), 8 * PAGE) == Route("g1", "prefix", 6)
+
+
+@pytest.mark.parametrize(("matched", "prompt_tokens", "expected"), [
+    (0, 100, 0), (4, 100, 64), (4, 65, 64), (4, 64, 48), (4, 1, 0), (2, 100, 32)])
+def test_the_expected_hit_tokens_stop_short_of_the_last_prompt_token(matched, prompt_tokens, expected):
+    assert Route("g0", "prefix", matched).expected_hit_tokens(prompt_tokens, PAGE) == expected
+
+
+def _two_fake_groups(coord) -> tuple[FakeGroup, FakeGroup]:
+    g0, g1 = coord.groups["g0"], coord.groups["g1"] = FakeGroup("g0"), FakeGroup("g1")
+    for g in ("g0", "g1"):
+        coord.metrics.init_group(g, 1)
+    return g0, g1
+
+
+def test_a_request_moved_by_the_coordinator_takes_its_prefix_to_the_group_it_lands_on():
+    import asyncio
+
+    from lockstep.coordinator.generation import GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=512)
+        g0, g1 = _two_fake_groups(coord)
+        shared = list(range(3, 3 + 64))
+        coord.generate("a", GenerateSpec(shared + [200] * 8, SamplingParams(), 40))
+        moving = coord.live["a"].request
+        moving.generated.extend(range(500, 532))  # 32 tokens generated before its group went down
+        g0.serving, g0.submitted = False, []
+        coord._replay("g0", [moving], "rank 0 of group g0 is down")
+        assert (coord.live["a"].group, g1.submitted) == ("g1", ["a"])
+        g0.serving = True  # g0 is back and idle, g1 the busier: the prefix still goes where it moved
+        follow_up = list(moving.token_ids()) + [300] * 8  # a next turn: the prompt, the answer, more
+        pages = len(moving.token_ids()) // 16  # its answer's pages too: the new group recomputes them all
+        assert coord.router.matches(coord._routing_keys(follow_up), {"g0", "g1"}) == {"g1": (pages, 0)}
+        coord.generate("b", GenerateSpec(follow_up, SamplingParams(), 4))
+        assert g1.submitted == ["a", "b"] and g0.submitted == []
+        assert coord.metrics.routing_decisions.labels("g1", "prefix")._value.get() == 1
+
+    asyncio.run(main())
+
+
+def test_expected_against_agreed_hit_tokens_show_a_prefix_the_group_lost_behind_the_coordinators_back():
+    """Routing expects a prefix's pages where it sent them; at a request's first token the tokens its group's
+    ranks agreed to skip are counted against that. A group whose ranks dropped the prefix without the
+    coordinator knowing (their own eviction, a flush it did not ask for) shows expected > agreed."""
+    import asyncio
+
+    from lockstep.coordinator.events import Event, EventKind
+    from lockstep.coordinator.generation import GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    def totals(coord: Coordinator) -> tuple[float, float]:
+        m = coord.metrics
+        return (m.routing_expected_hit_tokens.labels("g0")._value.get(),
+                m.routing_agreed_hit_tokens.labels("g0")._value.get())
+
+    def first_token(coord: Coordinator, rid: str, agreed: int) -> None:
+        coord.live[rid].request.cached_tokens = agreed  # what the scheduler sets at the first admission
+        coord._dispatch("g0", [Event(rid, EventKind.TOKEN, token_id=5)])
+        coord._dispatch("g0", [Event(rid, EventKind.TOKEN, token_id=6)])  # only the first token settles
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=512)
+        _two_fake_groups(coord)
+        shared = list(range(3, 3 + 64))
+        spec = lambda i: GenerateSpec(shared + [200 + i] * 8, SamplingParams(), 4)
+        coord.generate("a", spec(0))  # a new prefix: nothing expected
+        first_token(coord, "a", 0)
+        assert totals(coord) == (0, 0)
+        coord.generate("b", spec(1))  # routed for its prefix: 4 pages expected
+        first_token(coord, "b", 64)  # and the ranks agreed on them all
+        assert totals(coord) == (64, 64)
+        coord.generate("c", spec(2))  # the ranks evicted the prefix, the map still says g0 holds it
+        first_token(coord, "c", 0)
+        assert totals(coord) == (128, 64)  # expected > agreed: the map is stale
+        coord.generate("d", spec(3))
+        first_token(coord, "d", 80)  # more than expected (another request's pages): counted up to expected
+        assert totals(coord) == (192, 128)
+
+    asyncio.run(main())
+
+
+def test_health_is_ready_while_some_group_is_up_and_says_per_group_why_not():
+    """With one group down the coordinator still serves (200), and /health says which group is down and why;
+    a drained group is up but takes nothing new (`serving` false); with no group up it is not ready (503)."""
+    from lockstep.coordinator.service import Coordinator
+
+    coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=64)
+    g0, g1 = _two_fake_groups(coord)
+    g1.up = g1.serving = False
+    g1.down_reason = "rank 1 of group g1 is down; now: waiting for rank 1 at 10.0.0.7:50051"
+    assert coord.healthy()
+    assert coord.health_detail() == {
+        "g0": {"up": True, "reason": "", "step": 0, "draining": False, "serving": True, "requests_in_flight": 0},
+        "g1": {"up": False, "reason": g1.down_reason, "step": 0, "draining": False, "serving": False,
+               "requests_in_flight": 0}}
+    g0.draining, g0.serving = True, False
+    assert coord.healthy() and coord.health_detail()["g0"] | {"draining": True, "serving": False} == \
+        coord.health_detail()["g0"]
+    g0.up = False
+    assert not coord.healthy()

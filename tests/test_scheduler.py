@@ -11,7 +11,7 @@ from lockstep.coordinator.request import Request, RequestStatus, default_seed
 from lockstep.coordinator.scheduler import FINISHED, PREEMPTED, TOKEN, Event, Scheduler
 from lockstep.kv.page_keys import page_keys
 from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report, Sampled, SamplingParams
-from sim_ranks import SALT, Group, SimRank, fake_sample, finished, make_sched, reference
+from sim_ranks import SALT, Group, SimRank, computed_tokens, fake_sample, finished, make_sched, reference
 
 
 def test_chunked_prefill_then_decode_with_positions_and_sample_index():
@@ -380,3 +380,170 @@ def test_a_refusal_that_repeats_preempts_instead_of_replanning_forever():
     assert [e.kind for e in events] == [PREEMPTED] and a.status is RequestStatus.WAITING
     g.run()
     assert a.generated == reference(a)
+
+
+# ----- a prompt that a running request is computing now is waited for, not computed twice (prefix_sharing)
+
+PROMPT = list(range(1, 23))  # 5 full pages of 4, and 2 tokens
+
+
+def _admitted(g: Group) -> list[list[str]]:
+    return [[a.request_id for a in p.admits] for p in g.plans]
+
+
+def test_identical_prompts_arriving_together_compute_the_prompt_once():
+    sched = make_sched(ranks=2, budget=64, seqs=4)
+    g = Group(sched, [40, 40])
+    reqs = [Request(f"n-{i}", PROMPT, max_tokens=3) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    g.run()
+    assert _admitted(g)[:3] == [[], ["n-0"], ["n-1", "n-2", "n-3"]]  # held one step, then admitted together
+    assert computed_tokens(g.plans) == {"n-0": 22 + 2, "n-1": 2 + 2, "n-2": 2 + 2, "n-3": 2 + 2}
+    assert [r.cached_tokens for r in reqs] == [0, 20, 20, 20]
+    assert sched.stats.prefix_hit_tokens == 3 * 20 and sched.stats.deferred["prefix_pending"] == 3
+    for r in reqs:
+        assert r.generated == reference(r) and r.finish_reason == "length"
+
+
+def test_held_request_waits_for_the_whole_chunked_prefill_of_its_sibling():
+    sched = make_sched(ranks=1, budget=8, seqs=4)
+    g = Group(sched, [40])
+    a, b = Request("a", PROMPT, max_tokens=2), Request("b", PROMPT + [9, 9], max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    g.run()
+    assert computed_tokens(g.plans) == {"a": 22 + 1, "b": 4 + 1}  # b: the 6th page is only its own
+    assert b.cached_tokens == 20  # held while a's chunks left budget to spare, else the budget deferred it
+    assert sched.stats.deferred == {"prefix_pending": 1, "token_budget": 2}
+    assert [p.request_id for p in g.plans[2].probes] == [] and [p.request_id for p in g.plans[3].probes] == ["b"]
+    assert a.generated == reference(a) and b.generated == reference(b)
+
+
+def test_prefix_caching_off_or_a_scored_prompt_holds_nothing():
+    sched = make_sched(ranks=1, budget=64, caching=False)
+    g = Group(sched, [40], caching=False)
+    reqs = [Request(f"n-{i}", PROMPT, max_tokens=2) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    g.run()
+    assert _admitted(g)[1] == ["n-0", "n-1", "n-2"] and not sched.stats.deferred["prefix_pending"]
+    assert computed_tokens(g.plans) == dict.fromkeys(("n-0", "n-1", "n-2"), 23)
+    sched = make_sched(ranks=1, budget=64)
+    g = Group(sched, [40])
+    sched.add(Request("a", PROMPT, max_tokens=2))
+    sched.add(Request("scored", PROMPT, SamplingParams(prompt_logprobs=0), max_tokens=2))
+    g.run_step()
+    g.run_step()
+    assert _admitted(g)[1] == ["a", "scored"]  # it computes every position anyway: nothing to wait for
+
+
+def test_unrelated_requests_behind_a_held_one_are_admitted_and_it_keeps_its_place():
+    sched = make_sched(ranks=2, budget=64, seqs=4)
+    g = Group(sched, [60, 60])
+    s, w = Request("s", PROMPT, max_tokens=2), Request("w", PROMPT, max_tokens=2)
+    x, z = Request("x", [7] * 9, max_tokens=12), Request("z", [8] * 9, max_tokens=12)
+    for r in (s, w, x, z):
+        sched.add(r)
+    g.run()
+    assert _admitted(g)[:3] == [[], ["s", "x", "z"], ["w"]]  # w held: x and z go past it
+    assert w.cached_tokens == 20 and sched.stats.deferred == {"prefix_pending": 1}
+    for r in (s, w, x, z):
+        assert r.generated == reference(r)
+
+
+def test_a_held_request_waits_its_turn_once_its_pages_are_committed():
+    sched = make_sched(ranks=1, budget=64, seqs=2)
+    g = Group(sched, [60])
+    s, w = Request("s", PROMPT, max_tokens=6), Request("w", PROMPT, max_tokens=2)
+    later = [Request(f"l{i}", [5, 6, i], max_tokens=16) for i in range(2)]
+    for r in (s, w, *later):
+        sched.add(r)
+    g.run()
+    admitted = _admitted(g)
+    assert admitted[1] == ["s", "l0"]  # w held, l0 takes the last seat
+    assert [rid for a in admitted for rid in a] == ["s", "l0", "w", "l1"]  # w's seat, not the later one's
+    assert w.cached_tokens == 20 and w.generated == reference(w)
+
+
+def test_aborting_the_computing_sibling_releases_the_held_one_with_what_it_committed():
+    sched = make_sched(ranks=2, budget=8, seqs=4)
+    g = Group(sched, [40, 40])
+    s, w = Request("s", PROMPT, max_tokens=2), Request("w", PROMPT, max_tokens=2)
+    sched.add(s)
+    sched.add(w)
+    g.run_step()
+    g.run_step()
+    g.run_step()  # s computed 16 positions: 4 pages committed; w held
+    assert s.num_computed == 16 and w.status is RequestStatus.WAITING
+    sched.abort("s")
+    g.run()
+    assert w.cached_tokens == 16 and computed_tokens(g.plans[3:])["w"] == 6 + 1
+    assert w.generated == reference(w)
+
+
+def test_preempting_the_computing_sibling_releases_the_held_one():
+    sched = make_sched(ranks=2, budget=8, seqs=4)
+    g = Group(sched, [40, 40])
+    s, w = Request("s", PROMPT, max_tokens=2), Request("w", PROMPT, max_tokens=2)
+    sched.add(s)
+    sched.add(w)
+    g.run_step()
+    g.run_step()
+
+    def rank1_failed(reports: list[Report]) -> None:
+        reports[1] = replace(reports[1], error="rank 1: lost its device")
+
+    g.run_step(tamper=rank1_failed)
+    assert s.status is RequestStatus.WAITING and s.num_preemptions == 1
+    g.run_step()
+    assert {p.request_id for p in g.plans[-1].probes} == {"s", "w"}  # w waits on nothing now
+    g.run()
+    assert s.generated == reference(s) and w.generated == reference(w)
+    assert w.cached_tokens > 0
+
+
+def test_same_prompt_as_a_request_that_finished_long_ago_is_probed_as_usual():
+    sched = make_sched(ranks=1, budget=64)
+    g = Group(sched, [40])
+    sched.add(Request("old", PROMPT, max_tokens=2))
+    g.run()
+    new = Request("new", PROMPT, max_tokens=2)
+    sched.add(new)
+    g.run()
+    assert new.cached_tokens == 20 and not sched.stats.deferred["prefix_pending"]
+
+
+def test_computing_sibling_compares_the_one_page_the_running_request_fills_next():
+    from lockstep.coordinator.prefix_sharing import computing_sibling
+
+    def running(rid: str, tokens: list[int], computed: int) -> Request:
+        r = Request(rid, tokens)
+        r.status, r.num_computed = RequestStatus.RUNNING, computed
+        return r
+
+    w = Request("w", PROMPT)  # probes 5 pages
+    same, other = running("s", PROMPT, 8), running("o", [99] + PROMPT[1:], 0)
+    assert computing_sibling(w, [other, same], 5, 4, SALT) is same
+    assert computing_sibling(w, [same], 0, 4, SALT) is None  # nothing to probe (caching off, scored prompt)
+    assert computing_sibling(w, [same], 2, 4, SALT) is None  # it filled the two pages w would probe
+    assert computing_sibling(w, [same], 5, 4, SALT, {"s": 20}) is None  # filled by the step being planned
+    assert computing_sibling(w, [same], 5, 4, SALT, {"s": 19}) is same
+    assert computing_sibling(w, [running("short", PROMPT[:10], 8)], 5, 4, SALT) is None  # page 2 never full
+    w.status = RequestStatus.RUNNING
+    assert computing_sibling(w, [w], 5, 4, SALT) is None  # never itself
+
+
+def test_pages_gone_when_the_held_request_is_admitted_are_just_computed_again():
+    sched = make_sched(ranks=2, budget=64)
+    g = Group(sched, [40, 40])
+    s, w = Request("s", PROMPT, max_tokens=2), Request("w", PROMPT, max_tokens=2)
+    sched.add(s)
+    sched.add(w)
+    g.run_step()
+    g.run_step()  # s computes the prompt; w is held
+    g.run_step(flush=(1,))  # rank 1 drops its cache as w is admitted: agreement leaves w nothing to skip
+    g.run()
+    assert _admitted(g)[:3] == [[], ["s"], ["w"]]
+    assert w.cached_tokens == 0 and computed_tokens(g.plans)["w"] == 22 + 1
+    assert s.generated == reference(s) and w.generated == reference(w)

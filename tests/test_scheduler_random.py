@@ -31,6 +31,7 @@ class Workload:
     refusals: set[int] = field(default_factory=set)  # steps rank 0 refuses
     window: int = 0  # a hybrid model: sliding[r] pages of a `sliding` pool of this window on rank r too
     sliding: list[int] | None = None
+    copies: dict[int, int] = field(default_factory=dict)  # arrival index -> identical requests arriving with it
 
     def too_large(self, req: Request) -> bool:
         if pages_for(req.max_positions, 4) > min(self.pools):
@@ -42,15 +43,17 @@ def drive(w: Workload) -> Group:
     """Run a workload to the end and check everything a client and an operator would check."""
     sched = make_sched(ranks=len(w.pools), budget=w.budget, seqs=w.seqs, caching=w.caching, window=w.window)
     g = Group(sched, w.pools, caching=w.caching, sliding=w.sliding)
-    reqs = [
-        Request(f"r{i}", PREFIXES[pre][:plen] + own, SamplingParams(), max_tokens, [3] if stop else ())
-        for i, (_, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals)
-    ]
-    order = sorted(range(len(reqs)), key=lambda i: w.arrivals[i][0])
+    reqs, steps = [], []
+    for i, (step, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals):
+        for c in range(1 + w.copies.get(i, 0)):  # the same prompt, as n choices or concurrent clients send it
+            reqs.append(Request(f"r{i}-{c}", PREFIXES[pre][:plen] + own, SamplingParams(), max_tokens,
+                                [3] if stop else ()))
+            steps.append(step)
+    order = sorted(range(len(reqs)), key=lambda i: steps[i])
     aborted: set[str] = set()
     nxt = 0
     while nxt < len(order) or sched.has_work():
-        while nxt < len(order) and w.arrivals[order[nxt]][0] <= g.step:
+        while nxt < len(order) and steps[order[nxt]] <= g.step:
             sched.add(reqs[order[nxt]])
             nxt += 1
         victim = w.aborts.get(g.step)
@@ -78,6 +81,7 @@ def drive(w: Workload) -> Group:
             assert req.generated == ref, (req, ref)
             assert req.finish_reason == ("stop" if ref[-1] in req.stop_token_ids else "length")
     assert refused_admits <= len(w.refusals) * w.seqs
+    assert w.caching or not g.sched.stats.deferred["prefix_pending"]
     return g
 
 
@@ -101,6 +105,7 @@ def workloads(draw) -> Workload:
         flushes=draw(st.dictionaries(st.integers(0, 150), st.integers(0, ranks - 1), max_size=4)),
         aborts=draw(st.dictionaries(st.integers(0, 150), st.integers(0, 39), max_size=3)),
         refusals=draw(st.sets(st.integers(0, 150), max_size=2)),
+        copies=draw(st.dictionaries(st.integers(0, 39), st.integers(1, 3), max_size=4)),
     )
 
 
@@ -132,6 +137,14 @@ def test_long_run_of_divergent_ranks_under_pressure(seed: int):
     assert g.step > 600
     assert g.sched.stats.preemptions > 0 and g.sched.stats.prefix_hit_tokens > 0
     assert any(len(a.prefix_keys) for p in g.plans for a in p.admits)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_long_run_with_identical_prompts_holds_them_and_finishes_everything(seed: int):
+    """Every 8th request comes with 3 identical ones (n = 4): they wait for its prompt, through preemptions,
+    aborts, flushes and refusals, and none waits forever."""
+    g = drive(seeded_pressure(seed, [20, 16, 24], copies=dict.fromkeys(range(0, 160, 8), 3)))
+    assert g.sched.stats.deferred["prefix_pending"] > 0 and g.sched.stats.preemptions > 0
 
 
 def test_pressure_workload_preempts_and_still_finishes_everything():

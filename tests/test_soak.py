@@ -87,6 +87,7 @@ def test_mixed_load_on_divergent_ranks(tiny_llama, tmp_path, requests):
         stop.set()
         t.join()
         c.assert_no_leak()
+        c.assert_request_table_empty()  # and the coordinator forgot every request, hung up or not
         log = c.log(c.coordinator)
         assert "refused by the ranks" not in log and "Traceback" not in log
         assert sum(c.metric("lockstep_preemptions_total")) > 0

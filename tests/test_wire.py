@@ -48,18 +48,32 @@ sampling = st.builds(
     seed=st.none() | st.integers(-(2**63), I64),
     logprobs=st.integers(-1, I64),
     prompt_logprobs=st.integers(-1, I64),
+    repetition_penalty=finite,
+    frequency_penalty=finite,
+    presence_penalty=finite,
+    logit_bias=st.dictionaries(st.integers(-(2**63), I64), finite, max_size=5),
+    min_tokens=counts,
+    stop_token_ids=st.lists(st.integers(-(2**63), I64), max_size=4).map(tuple),
 )
-chunks = st.builds(
-    Chunk,
-    request_id=ids,
-    token_ids=st.lists(st.integers(0, I64), min_size=1, max_size=20).map(tuple),
-    start=counts,
-    sample=st.booleans(),
-    sampling=sampling,
-    sample_index=counts,
-    prompt_logprobs=st.integers(-1, I64),
-    next_token_id=st.integers(-1, I64),
-)
+token_lists = st.lists(st.integers(0, I64), max_size=20).map(tuple)
+
+
+def _chunks(history: tuple[int, ...] | None) -> st.SearchStrategy[Chunk]:
+    return st.builds(
+        Chunk,
+        request_id=ids,
+        token_ids=st.lists(st.integers(0, I64), min_size=1, max_size=20).map(tuple),
+        start=counts if history is None else st.just(len(history)),  # a history holds tokens [0, start)
+        sample=st.booleans(),
+        sampling=sampling,
+        sample_index=counts,
+        prompt_logprobs=st.integers(-1, I64),
+        next_token_id=st.integers(-1, I64),
+        history=st.just(history),
+    )
+
+
+chunks = st.one_of(_chunks(None), token_lists.flatmap(_chunks))
 plans = st.builds(
     Plan,
     step=counts,
@@ -172,6 +186,20 @@ def test_prompt_logprobs_cross_the_wire_and_torn_lists_are_refused():
         plan_to_proto(Plan(step=1, batch=(Chunk("r", (1,), 0, next_token_id=-2),)))
 
 
+def test_penalties_and_an_empty_history_cross_the_wire_and_unset_fields_are_off():
+    p = SamplingParams(repetition_penalty=1.5, frequency_penalty=-0.5, presence_penalty=2.0,
+                       logit_bias={9: -100.0, 3: 0.5}, min_tokens=4, stop_token_ids=(2, 7))
+    plan = Plan(step=1, batch=(Chunk("r", (1, 2), 0, True, p, history=()), Chunk("s", (1,), 4, True, p)))
+    back = plan_from_proto(plan_to_proto(plan))
+    assert back == plan and back.batch[0].history == () and back.batch[1].history is None
+    assert back.batch[0].sampling.logit_bias == ((3, 0.5), (9, -100.0))
+    # an older coordinator's message (no penalty fields): every one is off, repetition 1 included
+    msg = pb.PlanMsg(step=1, batch=[pb.ChunkMsg(request_id="r", token_ids=[1], sampling=pb.SamplingParamsMsg(
+        temperature=0.5, top_p=1.0))])
+    assert plan_from_proto(msg).batch[0].sampling == SamplingParams(temperature=0.5)
+    assert not plan_from_proto(msg).batch[0].sampling.adjusts_logits
+
+
 def test_empty_message_is_the_default_plan():
     assert plan_from_proto(pb.PlanMsg()) == Plan(step=0)
     assert report_from_proto(pb.ReportMsg()) == Report(step=0, rank=0)
@@ -188,6 +216,9 @@ def test_empty_message_is_the_default_plan():
         (Plan(step=2, batch=(Chunk("r", (1, -5), 0),)), "token ids must be >= 0, got -5"),
         (Plan(step=2, releases=("",)), "releases[0]: request_id must be a non-empty string"),
         (Plan(step=2, batch=(Chunk("r", (2**64,), 0),)), "plan 2 does not fit its message"),
+        (Plan(step=2, batch=(Chunk("r", (1,), 2, history=(5,)),)), "history holds the 2 tokens before"),
+        (Plan(step=2, batch=(Chunk("r", (1,), 1, history=(-5,)),)), "token ids must be >= 0, got -5"),
+        (Plan(step=2, batch=(Chunk("r", (1,), 0, sampling=SamplingParams(min_tokens=-1)),)), "min_tokens must be >= 0"),
     ],
 )
 def test_bad_plans_are_refused_by_name(plan, words):
@@ -234,3 +265,18 @@ def test_timings_travel_by_name_and_unknown_ones_are_dropped():
     assert dict(msg.timings) == {"step_s": 0.5, "rank_step_seconds": 0.75}
     msg.timings["newer_phase_s"] = 9.0
     assert report_from_proto(msg) == report
+
+
+def test_a_rank_builds_each_distinct_sampling_once_and_each_chunk_still_gets_its_own():
+    """Decode plans repeat every running request's sampling parameters at every step: the rank reuses what it
+    built (by the message's bytes), and parameters that differ in any field are never confused."""
+    from lockstep.steps import Chunk, Plan, SamplingParams
+
+    a, b = SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.7, seed=4)
+    biased = SamplingParams(logit_bias=((5, 1.5),), min_tokens=2, stop_token_ids=(1,))
+    plan = Plan(step=3, batch=tuple(Chunk(f"r{i}", (1,), 4, True, s) for i, s in enumerate((a, b, a, biased))))
+    first = plan_from_proto(plan_to_proto(plan))
+    again = plan_from_proto(plan_to_proto(replace(plan, step=4)))
+    assert [c.sampling for c in first.batch] == [a, b, a, biased]
+    assert first.batch[0].sampling is first.batch[2].sampling is again.batch[0].sampling
+    assert first.batch[1].sampling is not first.batch[0].sampling and again == replace(first, step=4)

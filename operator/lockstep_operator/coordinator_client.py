@@ -1,10 +1,13 @@
-"""The operator's only HTTP calls to a coordinator: drain, resume, and its /metrics (aiohttp, async).
+"""The operator's only HTTP calls to a coordinator: drain, resume, its /health and /metrics (aiohttp, async).
 
 Each call has a bounded wait and turns every outcome into an `Answer`, never an exception, so the
 decisions in `drain.py` see the same few cases whatever went wrong on the network.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import aiohttp
 
@@ -55,3 +58,15 @@ async def metrics(root: str, wait_s: float = 3.0) -> str | None:
             return await resp.text() if resp.status == 200 else None
     except (TimeoutError, aiohttp.ClientError):
         return None
+
+
+async def health(root: str, wait_s: float = 3.0) -> dict[str, Any] | None:
+    """The coordinator's /health body (open, no key): per group up, reason, step, draining. Its 503 (no
+    group can serve) carries the same body; None when it cannot be read or is not that shape."""
+    timeout = aiohttp.ClientTimeout(total=wait_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(f"{root}/health") as resp:
+            body = json.loads(await resp.text()) if resp.status in (200, 503) else None
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None

@@ -125,6 +125,30 @@ def _rebalance_schema() -> Schema:
     )
 
 
+def _tls_schema() -> Schema:
+    """TLS on the ranks' gRPC port. No default: without `tls` the ranks speak plaintext (the group token still
+    guards them), so an existing deployment keeps its pods until someone asks for TLS."""
+    return _obj(
+        {
+            "secretName": _str(min_length=1, description=(
+                "Secret with tls.crt and tls.key (the ranks' certificate and key) and ca.crt (the CA that signed "
+                "it), as cert-manager writes them. Mounted into every rank and the coordinator; read at start, "
+                "so a new certificate takes effect when the pods restart.")),
+            "serverName": _str(default="", description=(
+                "The name the coordinator verifies in every rank's certificate. Empty: each rank's own DNS name "
+                "(NAME-gN-R.NAME-gN.NAMESPACE.svc.CLUSTER_DOMAIN), so the certificate must cover "
+                "*.NAME-gN.NAMESPACE.svc.CLUSTER_DOMAIN for every group N.")),
+            "clientAuth": {"type": "boolean", "default": False, "description": (
+                "Mutual TLS: the ranks also require a client certificate signed by ca.crt, and the coordinator "
+                "presents the Secret's tls.crt/tls.key (which must then allow client authentication).")},
+        },
+        required=["secretName"],
+        description=("TLS on the ranks' gRPC port (the coordinator verifies them with ca.crt). The kubelet's "
+                     "gRPC probes cannot speak TLS, so they go to a plaintext port that serves health checks "
+                     "only."),
+    )
+
+
 def _runtime_schemas() -> dict[str, Schema]:
     """How the services run: KV cache, scheduler, agreement timeouts, rollout, coordinator."""
     return {
@@ -193,6 +217,7 @@ def spec_schema() -> Schema:
             "groups": _int(0, 256, 1, "Data-parallel replicas: one StatefulSet each."),
             "resources": _resources({"limits": {"nvidia.com/gpu": 1}}, "Per-rank resources."),
             **_runtime_schemas(),
+            "tls": _tls_schema(),
             "networkPolicy": {"type": "boolean", "default": True,
                               "description": "Only the coordinator and the group's ranks reach a rank."},
             "clusterDomain": _str(default="cluster.local", min_length=1),

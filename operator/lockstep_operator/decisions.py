@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep_operator import manifests as m
-from lockstep_operator.drain import Drain, draining_condition, stalled_condition
+from lockstep_operator.drain import Drain, coordinator_group, draining_condition, stalled_condition
 from lockstep_operator.observe import GroupState, Observed, PodState, Transition
 
 
@@ -116,8 +116,33 @@ def decide_phase(ready: int, total: int, pending_recreate: bool) -> tuple[str, s
 _REASONS = {  # condition -> (reason when True, reason when False)
     "Ready": ("AllGroupsReady", "GroupsNotReady"),
     "Progressing": ("GroupsStarting", "Stable"),
-    "Degraded": ("GroupsDown", "AsExpected"),
 }
+
+
+def degraded_condition(groups: Sequence[GroupState], ranks: int,
+                       health: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """The Degraded condition (status, reason, message): True, naming each group and why, while a group of
+    the spec cannot serve now, as the coordinator's /health says (down, recovering, a dead rank, or not one
+    of its groups) or as its StatefulSet says (fewer ready ranks than `ranks`); else Unknown when /health
+    could not be read (`health` None), False when it says every group is up. A drained group still serves
+    what it holds: that is the Draining condition, not this one."""
+    not_ready = [f"{g.name}: {n}/{ranks} ranks ready" for g in groups
+                 if (n := ready_ranks(g) if g.exists else 0) < ranks]
+    not_serving = []
+    for g in groups if health is not None else ():
+        target = coordinator_group(g.index)
+        entry = health.get(target)
+        if not isinstance(entry, Mapping):
+            not_serving.append(f"{g.name}: the coordinator has no group {target}")
+        elif not entry.get("up"):
+            not_serving.append(f"{g.name} (coordinator group {target}) is not serving: {entry.get('reason') or 'down'}")
+    if not_serving:
+        return "True", "GroupNotServing", "; ".join(not_serving + not_ready)
+    if not_ready:
+        return "True", "RanksNotReady", "; ".join(not_ready)
+    if health is None:
+        return "Unknown", "CoordinatorUnavailable", "the coordinator's /health could not be read"
+    return "False", "AsExpected", f"all {len(groups)} group(s) serve"
 
 
 def condition(kind: str, value: bool | str, reason: str, message: str, previous: Mapping[str, Transition],
@@ -150,13 +175,16 @@ class CoordinatorView:
     drains: Mapping[str, Drain] = field(default_factory=dict)  # group name -> the drain asked
     last_drain: tuple[str, str] | None = None  # (reason, message) of the last drain that ended
     stalled: Mapping[str, float] | None = None  # lockstep_agreements_stalled per group; None: unknown
+    health: Mapping[str, Any] | None = None  # the coordinator's /health body, per group; None: unreadable
+    resuming: Collection[str] = ()  # groups drained and rolled or recreated: the coordinator drains them until resumed
+    adopting: bool = False  # a new operator has not yet asked the coordinator which drains it had
 
 
 def decide_status(observed: Observed, spec: Mapping[str, Any], generation: int | None, now: str,
                   restarted: Collection[str] = (), coordinator: CoordinatorView | None = None) -> dict[str, Any]:
     """The resource's status: phase, groups, conditions; `restarted` names the groups just recreated."""
     view = coordinator or CoordinatorView()
-    draining = {g for g, d in view.drains.items() if not d.resolved}
+    draining = {g for g, d in view.drains.items() if not d.resolved} | set(view.resuming)
     groups = [group_status(g, spec["tensorParallelSize"], g.name in restarted, g.name in draining)
               for g in observed.groups]
     ready = sum(g["ready"] for g in groups)
@@ -164,8 +192,14 @@ def decide_status(observed: Observed, spec: Mapping[str, Any], generation: int |
     conditions = [condition(kind, phase == kind, reasons[0] if phase == kind else reasons[1], message,
                             observed.conditions, generation, now)
                   for kind, reasons in _REASONS.items()]
-    conditions.append(condition("Draining", *draining_condition(view.drains, view.last_drain),
-                                observed.conditions, generation, now))
+    conditions.append(condition("Degraded", *degraded_condition(observed.groups, spec["tensorParallelSize"],
+                                                                view.health), observed.conditions, generation, now))
+    before = observed.conditions.get("Draining")
+    if view.adopting and before is not None and before.status == "True":  # not False until the coordinator says
+        drain = (True, "OperatorRestarted", "the operator restarted: taking its drains back from the coordinator")
+    else:
+        drain = draining_condition(view.drains, view.last_drain)
+    conditions.append(condition("Draining", *drain, observed.conditions, generation, now))
     conditions.append(condition("AgreementStalled", *stalled_condition(view.stalled), observed.conditions,
                                 generation, now))
     status: dict[str, Any] = {

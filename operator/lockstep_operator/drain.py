@@ -123,7 +123,7 @@ def after_answer(record: Drain, answer: Answer, detail: str = "") -> Drain:
 
 
 def coordinator_group(index: int) -> str:
-    """The coordinator's name of group `index`: the one `manifests.groups_env` gives it."""
+    """The coordinator's name of group `index`: the one `manifests.groups_configmap` lists it under."""
     return f"g{index}"
 
 
@@ -167,6 +167,41 @@ def stalled_groups(metrics_text: str) -> dict[str, float]:
 def iso(seconds: float) -> str:
     """A clock value as the status writes times."""
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def from_iso(text: str | None) -> float | None:
+    """A time the status wrote, as a clock value; None when there is none or it does not parse."""
+    try:
+        parsed = datetime.datetime.strptime(text or "", "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    return parsed.replace(tzinfo=datetime.UTC).timestamp()
+
+
+def adopt_drains(health: Mapping[str, Any], ours: Mapping[str, int], wanted: Mapping[str, tuple[str, bool]],
+                 known: Collection[str], started: float, timeout_s: float) -> tuple[dict[str, Drain], dict[str, str]]:
+    """The drains to take back after an operator restart (its memory starts empty; the coordinator's flag
+    survives): (drains to wait on, group -> coordinator group to resume once it serves).
+
+    Only a group the coordinator's /health says is draining, that this operator drained (`ours`: group name
+    -> index, from its own last status or a group it removes) and does not remember (`known`), is taken: a
+    drain someone else asked stays theirs. One still wanted (`wanted`: group -> (why, migrate)) waits on
+    under the deadline it had (`started`: when the Draining condition turned True); any other was done
+    with (its group rolled or recreated) and only waits to be resumed.
+    """
+    drains: dict[str, Drain] = {}
+    resumes: dict[str, str] = {}
+    for group, index in sorted(ours.items()):
+        target = coordinator_group(index)
+        entry = health.get(target)
+        if group in known or not isinstance(entry, Mapping) or not entry.get("draining"):
+            continue
+        if group in wanted:
+            why, migrate = wanted[group]
+            drains[group] = new_drain(target, why, migrate, started, timeout_s)
+        else:
+            resumes[group] = target
+    return drains, resumes
 
 
 def draining_condition(drains: Mapping[str, Drain], last: tuple[str, str] | None) -> tuple[bool, str, str]:

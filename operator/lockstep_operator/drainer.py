@@ -20,22 +20,29 @@ import kopf
 
 from lockstep_operator import coordinator_client as client
 from lockstep_operator import manifests as m
+from lockstep_operator.decisions import decide_rollout, serving
 from lockstep_operator.drain import (
     PROCEED,
+    RECREATE,
     REMOVE,
+    ROLL,
     START,
     Answer,
     DrainStep,
+    adopt_drains,
     after_answer,
     api_key,
     coordinator_group,
     coordinator_url,
     decide_drain,
+    from_iso,
+    iso,
     new_drain,
+    others_serve,
     poll_timeout,
 )
 from lockstep_operator.memory import OperatorMemory
-from lockstep_operator.observe import GroupKey
+from lockstep_operator.observe import GroupKey, observe
 
 # How often open drains are asked about again.
 POLL_SECONDS = float(os.environ.get("LOCKSTEP_OPERATOR_DRAIN_POLL_SECONDS", "1"))
@@ -55,6 +62,27 @@ Clock = Callable[[], float]
 log = logging.getLogger("lockstep.operator.drain")
 
 _EVENT_TYPES = {"Drained": "Normal", "NothingToDrain": "Normal", "DrainDisabled": "Normal"}
+# How a reconcile that waits for a drain begins its kopf.TemporaryError message (see DrainWaitFilter).
+DRAIN_WAIT = "waiting for the coordinator to drain "
+
+
+class DrainWaitFilter(logging.Filter):
+    """kopf logs every retry of a handler that raised TemporaryError at ERROR, and posts it as an Error event:
+    a reconcile that waits for a drain would post one every RECHECK_SECONDS. The drain posts its own events
+    (one when it starts, one when it ends), so these retries are logged at INFO and not posted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if f"failed temporarily: {DRAIN_WAIT}" in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.k8s_skip = True  # kopf's event poster skips such records
+        return True
+
+
+def quiet_drain_waits(logger: logging.Logger | None = None) -> None:
+    """Install DrainWaitFilter on kopf's per-object logger once (an operator restarted in-process keeps it)."""
+    target = logger or logging.getLogger("kopf.objects")
+    if not any(isinstance(f, DrainWaitFilter) for f in target.filters):
+        target.addFilter(DrainWaitFilter())
 
 
 def endpoint(owner: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, str]:
@@ -70,8 +98,10 @@ def gate(memory: OperatorMemory, owner: dict[str, Any], spec: Mapping[str, Any],
          clock: Clock = time.time) -> DrainStep:
     """Whether group `key` may be rolled, recreated or removed now; starts its drain when one is due.
 
-    A START is recorded (the async timer asks the coordinator) and answered as a wait. A PROCEED that
-    ends a drain is logged, posted as an event and kept as the Draining condition's last outcome.
+    A START is recorded (the async timer asks the coordinator) and answered as a wait; until the drains of
+    before an operator restart were looked for (`adopt`), it is only a wait, so that a drain still running
+    is not started again (a second event, a new deadline). A PROCEED that ends a drain is logged, posted as
+    an event and kept as the Draining condition's last outcome.
     """
     if target is None:  # a StatefulSet without its group-index label: its coordinator name is unknown
         return DrainStep(PROCEED, "NothingToDrain", f"group {key[2]} has no coordinator name to drain")
@@ -79,6 +109,8 @@ def gate(memory: OperatorMemory, owner: dict[str, Any], spec: Mapping[str, Any],
     record = memory.drains.get(key)
     now = clock()
     step = decide_drain(record, timeout, now, holds_work)
+    if step.action == START and not memory.adoption_tried(key[0], key[1]):
+        return DrainStep("wait", "DrainInProgress", "looking for the coordinator's drains before starting one")
     if step.action == START:
         memory.drains[key] = new_drain(target, why, migrate, now, timeout)
         memory.resumes.pop(key, None)  # a drain asked again supersedes a resume still to come
@@ -151,6 +183,7 @@ async def drain_before_delete(memory: OperatorMemory, owner: dict[str, Any], spe
     allows; the owner references then take the groups and the coordinator."""
     namespace, name = owner["metadata"]["namespace"], owner["metadata"]["name"]
     root, key_ = endpoint(owner, spec)
+    await adopt_once(memory, owner, spec, root, clock)
     left = set(range(spec["groups"]))
     while True:
         for i in sorted(left):
@@ -163,3 +196,53 @@ async def drain_before_delete(memory: OperatorMemory, owner: dict[str, Any], spe
         answers = await drive(memory, namespace, name, root, key_, clock)
         if not answers or Answer.UNREACHABLE in answers:
             await asyncio.sleep(POLL_SECONDS)
+
+
+async def adopt_once(memory: OperatorMemory, owner: dict[str, Any], spec: Mapping[str, Any], root: str,
+                     clock: Clock = time.time) -> None:
+    """Ask the coordinator's /health for the drains of before a restart, unless done or tried lately: once
+    read, `adopt` takes them back; unreadable (no coordinator yet, or it is down), it is tried again after
+    RESUME_POLL_SECONDS, and drains may start meanwhile (there is nothing to take back that could be driven)."""
+    meta = owner["metadata"]
+    deployment = (meta["namespace"], meta["name"])
+    now = clock()
+    if deployment in memory.adopted or now < memory.next_adopt_check.get(deployment, 0.0):
+        return
+    health = await client.health(root)
+    if health is None:
+        memory.next_adopt_check[deployment] = now + RESUME_POLL_SECONDS
+        return
+    await asyncio.to_thread(adopt, memory, owner, spec, health, clock)
+
+
+def adopt(memory: OperatorMemory, owner: dict[str, Any], spec: Mapping[str, Any], health: Mapping[str, Any],
+          clock: Clock = time.time) -> None:
+    """Take back, from the coordinator's /health, the drains this operator asked before it restarted
+    (`drain.adopt_drains` says which): one still wanted waits on under its old deadline, one done with is
+    resumed once its group serves. Runs once per deployment, under its lock, before drains are driven."""
+    meta = owner["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    with memory.lock(namespace, name):
+        observed = observe(memory.kube, owner, spec, memory.pending_for(namespace, name))
+        up = {g.name: serving(g) for g in observed.groups}
+        wanted = {g: (REMOVE, others_serve(up, g)) for g in observed.strays}
+        wanted |= {g: (RECREATE, others_serve(up, g)) for g in memory.pending_for(namespace, name)}
+        roll = decide_rollout(observed.groups).roll
+        if roll is not None:
+            wanted[observed.groups[roll].name] = (ROLL, others_serve(up, observed.groups[roll].name))
+        status_groups = (owner.get("status") or {}).get("groups", [])
+        flagged = {g.get("name") for g in status_groups if g.get("draining")}
+        ours = {g.name: g.index for g in observed.groups if g.name in flagged} | dict(observed.stray_index)
+        draining = observed.conditions.get("Draining")
+        since = from_iso(draining.since) if draining is not None and draining.status == "True" else None
+        known = {*memory.drains_for(namespace, name), *memory.resumes_for(namespace, name)}
+        drains, resumes = adopt_drains(health, ours, wanted, known, since or clock(),
+                                       spec["rollout"]["drainTimeoutSeconds"])
+        for group, record in drains.items():
+            memory.drains[(namespace, name, group)] = record
+            log.info(f"group {group}: the coordinator still drains {record.group} before its {record.why}; "
+                     f"waiting for it until {iso(record.deadline)}")
+        for group, target in resumes.items():
+            memory.resumes[(namespace, name, group)] = target
+            log.info(f"group {group}: the coordinator still drains {target}; resumed once the group serves")
+        memory.adopted.add((namespace, name))

@@ -10,7 +10,9 @@ lock, so the resource handlers and the pod watcher never act on a group at once.
 Before a group is rolled, recreated or removed it is drained through the coordinator (`drain.py` decides,
 `drainer.py` carries it out): the handlers only pass the group through `drainer.gate` and retry while it
 says wait; the `drive_drains` daemon asks the coordinator (async, each request bounded) and resumes a
-drained group once it serves again; deleting the resource drains every group first.
+drained group once it serves again; deleting the resource drains every group first. Drains live in the
+operator's memory, so after a restart the daemon first takes back, from the coordinator's /health, those it
+had asked (`drainer.adopt`). The status timer also reads /health for the Degraded condition.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.level = logging.INFO
     settings.peering.standalone = True
+    drainer.quiet_drain_waits()
     memo[MEMO_KEY] = OperatorMemory(kube=memo.get(MEMO_KUBE) or Kube(default_api_client()))
 
 
@@ -103,7 +106,10 @@ def _write_status(memory: OperatorMemory, namespace: str, name: str, spec: dict[
     observed = _observe(memory, current, spec)
     view = CoordinatorView(drains=memory.drains_for(namespace, name),
                            last_drain=memory.drain_outcomes.get((namespace, name)),
-                           stalled=memory.stalled.get((namespace, name)))
+                           stalled=memory.stalled.get((namespace, name)),
+                           health=memory.health.get((namespace, name)),
+                           resuming=tuple(memory.resumes_for(namespace, name)),
+                           adopting=not memory.adoption_tried(namespace, name))
     status = decide_status(observed, spec, generation, _now(), restarted, view)
     if status != current.get("status"):  # an unchanged status is not written: each write is a watch event
         memory.kube.patch(KIND, namespace, name, {"status": status}, subresource="status")
@@ -153,9 +159,11 @@ def reconcile(body: kopf.Body, name: str, namespace: str, logger: logging.Logger
             draining = [observed.groups[rollout.roll].name]
         if draining:
             _write_status(memory, namespace, name, spec, body.metadata.get("generation"))
-            raise kopf.TemporaryError(f"draining {', '.join(draining)} at the coordinator",
-                                      delay=drainer.RECHECK_SECONDS)
+            raise kopf.TemporaryError(f"{drainer.DRAIN_WAIT}{', '.join(draining)}", delay=drainer.RECHECK_SECONDS)
         memory.kube.apply(_owned(m.coordinator_service(name, namespace, spec), owner))
+        # The group list after the removed groups drained and went: the coordinator moves nothing off them
+        # any more. Its pod template does not change with the groups, so it is not restarted.
+        memory.kube.apply(_owned(m.groups_configmap(name, namespace, spec), owner))
         memory.kube.apply(_owned(m.coordinator_deployment(name, namespace, spec), owner))
         if rollout.waiting:  # kopf comes back soon; the status is written by the pass that rolls
             raise kopf.TemporaryError(rollout.retry, delay=RETRY_SECONDS)
@@ -306,21 +314,29 @@ async def refresh(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, *
     except SpecError:
         return
     root, key = drainer.endpoint(body, spec)
-    text = await coordinator_client.metrics(root)
+    text, health = await asyncio.gather(coordinator_client.metrics(root), coordinator_client.health(root))
     memory.stalled[(namespace, name)] = None if text is None else stalled_groups(text)
+    memory.health[(namespace, name)] = health
     due = await asyncio.to_thread(_refresh, memory, dict(body), spec)
     await drainer.resume_due(memory, body, due, root, key)
 
 
 async def _drive_once(memory: OperatorMemory, body: kopf.Body, name: str, namespace: str) -> None:
-    """Ask the coordinator about the open drains, carry out what waited for them, resume what serves again."""
-    if not drainer.has_work(memory, namespace, name, time.time()):
+    """Take back the drains of before a restart (once), ask the coordinator about the open drains, carry out
+    what waited for them, resume what serves again."""
+    now = time.time()
+    adopt = (namespace, name) not in memory.adopted and now >= memory.next_adopt_check.get((namespace, name), 0.0)
+    if not adopt and not drainer.has_work(memory, namespace, name, now):
         return
     try:
         spec = normalize(dict(body.spec))
     except SpecError:
         return
     root, key = drainer.endpoint(body, spec)
+    if adopt:
+        await drainer.adopt_once(memory, dict(body), spec, root)
+        if not drainer.has_work(memory, namespace, name, time.time()):
+            return
     await drainer.drive(memory, namespace, name, root, key)
     due = await asyncio.to_thread(_refresh, memory, dict(body), spec)
     await drainer.resume_due(memory, body, due, root, key)

@@ -18,6 +18,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),  # created only, never read: the group token
+    "ConfigMap": ("/api/v1", "configmaps"),  # the coordinator's group list
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
@@ -100,15 +101,15 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> str:
         """Create the object or patch it to the desired state; says which (or 'unchanged').
 
-        Only `metadata` and `spec` are compared and patched: what the server adds (defaults, status)
-        never counts as a difference.
+        Only `metadata` and `spec` (a ConfigMap's `data`) are compared and patched: what the server adds
+        (defaults, status) never counts as a difference.
         """
         meta = obj["metadata"]
         current = self.get(obj["kind"], meta["namespace"], meta["name"])
         if current is None:
             self.create(obj)
             return "created"
-        desired = {k: v for k, v in obj.items() if k in ("metadata", "spec")}
+        desired = {k: v for k, v in obj.items() if k in ("metadata", "spec", "data")}
         if contains(current, desired):
             return "unchanged"
         self.patch(obj["kind"], meta["namespace"], meta["name"], desired)

@@ -3,6 +3,14 @@
 Nothing here talks to a cluster, so every object the operator can create is testable (and validated
 against the Kubernetes schemas) without one. Ownership (`kopf.adopt`) is added by the handlers.
 
+With `spec.tls`, the ranks serve their gRPC port over TLS from the named Secret (tls.crt, tls.key, ca.crt),
+the coordinator verifies them with its ca.crt, and the kubelet's gRPC probes, which cannot speak TLS, go to
+the ranks' plaintext health port (grpc.health.v1 alone).
+
+The coordinator reads its groups from a ConfigMap (`groups_configmap`) mounted as a file it re-reads, so
+a change of `spec.groups` changes only that ConfigMap, never the coordinator's pod template: the
+coordinator (Recreate) is not restarted, and the requests in flight on the other groups go on.
+
 The group token Secret (`group_token_secret`) is not in `build_all`: it holds a random value, so the
 handlers create it once and never apply it again (a reconcile must not rotate it). Ranks and the
 coordinator read it from a mounted file (`LOCKSTEP_GROUP_TOKEN_FILE`), never from the pod spec.
@@ -19,11 +27,18 @@ from lockstep_operator.crd import GROUP
 
 RANK_GRPC_PORT = 50051
 RANK_STORE_PORT = 29500
+RANK_HEALTH_PORT = 50052  # plaintext grpc.health.v1 only, for the probes, when the gRPC port speaks TLS
 MODEL_MOUNT = "/models"
 CACHE_MOUNT = "/cache"
 GROUP_TOKEN_KEY = "token"
 GROUP_TOKEN_VOLUME = "group-token"
 GROUP_TOKEN_MOUNT = "/var/run/lockstep/group-token"
+TLS_VOLUME = "rank-tls"
+GROUPS_KEY = "groups"
+GROUPS_VOLUME = "groups"
+# A directory mount (never subPath, which the kubelet does not update): the file changes in place.
+GROUPS_MOUNT = "/etc/lockstep/groups"
+TLS_MOUNT = "/var/run/lockstep/tls"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -79,14 +94,30 @@ def rank_host(name: str, namespace: str, index: int, rank: int, cluster_domain: 
     return f"{g}-{rank}.{g}.{namespace}.svc.{cluster_domain}"
 
 
-def groups_env(name: str, namespace: str, spec: dict[str, Any]) -> str:
-    """LOCKSTEP_GROUPS for the coordinator: `g0=h:p,h:p;g1=...`, ranks in rank order."""
-    groups = []
+def groups_configmap_name(name: str) -> str:
+    """The ConfigMap holding the coordinator's group list."""
+    return f"{name}-groups"
+
+
+def groups_file(name: str, namespace: str, spec: dict[str, Any]) -> str:
+    """The coordinator's groups file: one `g0=h:p,h:p` line per group, ranks in rank order."""
+    lines = []
     for i in range(spec["groups"]):
         hosts = [f"{rank_host(name, namespace, i, r, spec['clusterDomain'])}:{RANK_GRPC_PORT}"
                  for r in range(spec["tensorParallelSize"])]
-        groups.append(f"g{i}=" + ",".join(hosts))
-    return ";".join(groups)
+        lines.append(f"g{i}=" + ",".join(hosts) + "\n")
+    return "".join(lines)
+
+
+def groups_configmap(name: str, namespace: str, spec: dict[str, Any]) -> Manifest:
+    """The group list the coordinator watches (LOCKSTEP_GROUPS_FILE): scaling groups rewrites only this."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": groups_configmap_name(name), "namespace": namespace,
+                     "labels": _labels(name, "coordinator")},
+        "data": {GROUPS_KEY: groups_file(name, namespace, spec)},
+    }
 
 
 def _env(pairs: dict[str, str]) -> list[dict[str, Any]]:
@@ -152,6 +183,32 @@ def _token_mount() -> tuple[dict[str, str], Manifest]:
             {"name": GROUP_TOKEN_VOLUME, "mountPath": GROUP_TOKEN_MOUNT, "readOnly": True})
 
 
+def _rank_tls(spec: dict[str, Any], component: str) -> tuple[dict[str, str], list[Manifest], list[Manifest]]:
+    """The env, volumes and mounts of `spec.tls` for a rank or the coordinator (none without `spec.tls`).
+
+    Each gets only the Secret's keys it reads: a rank its certificate and key (and the CA when it asks for
+    client certificates), the coordinator the CA (and the client certificate with `clientAuth`)."""
+    tls = spec.get("tls")
+    if not tls:
+        return {}, [], []
+    if component == "rank":
+        keys = ["tls.crt", "tls.key"] + (["ca.crt"] if tls["clientAuth"] else [])
+        env = {"LOCKSTEP_TLS_CERT": f"{TLS_MOUNT}/tls.crt", "LOCKSTEP_TLS_KEY": f"{TLS_MOUNT}/tls.key",
+               "LOCKSTEP_HEALTH_PORT": str(RANK_HEALTH_PORT)}
+        if tls["clientAuth"]:
+            env["LOCKSTEP_TLS_CA"] = f"{TLS_MOUNT}/ca.crt"
+    else:
+        keys = ["ca.crt"] + (["tls.crt", "tls.key"] if tls["clientAuth"] else [])
+        env = {"LOCKSTEP_RANK_TLS_CA": f"{TLS_MOUNT}/ca.crt"}
+        if tls["clientAuth"]:
+            env |= {"LOCKSTEP_RANK_TLS_CERT": f"{TLS_MOUNT}/tls.crt", "LOCKSTEP_RANK_TLS_KEY": f"{TLS_MOUNT}/tls.key"}
+        if tls["serverName"]:
+            env["LOCKSTEP_RANK_TLS_SERVER_NAME"] = tls["serverName"]
+    volume = {"name": TLS_VOLUME, "secret": {"secretName": tls["secretName"],
+                                              "items": [{"key": k, "path": k} for k in keys]}}
+    return env, [volume], [{"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}]
+
+
 def group_token_secret(name: str, namespace: str, token: str) -> Manifest:
     """The deployment's group token; immutable, so that only deleting it (and restarting the pods) rotates it."""
     return {
@@ -182,6 +239,7 @@ def rank_pod_template(name: str, namespace: str, spec: dict[str, Any], index: in
     """The pod of one rank of group `index`; its rank is the StatefulSet pod index."""
     g = group_name(name, index)
     model_path, volumes, mounts = _model_env_and_mounts(spec)
+    tls_env, tls_volumes, tls_mounts = _rank_tls(spec, "rank")
     rendezvous = rank_host(name, namespace, index, 0, spec["clusterDomain"])
     env = _env(_common_env(spec, model_path) | {
         "LOCKSTEP_WORLD_SIZE": str(spec["tensorParallelSize"]),
@@ -190,30 +248,34 @@ def rank_pod_template(name: str, namespace: str, spec: dict[str, Any], index: in
         "LOCKSTEP_GRPC_PORT": str(RANK_GRPC_PORT),
         "LOCKSTEP_KV_PAGES": str(spec["kvCache"]["pages"]),
         "LOCKSTEP_KV_MEMORY_FRACTION": str(spec["kvCache"]["memoryFraction"]),
-    })
+    } | tls_env)
     env.insert(0, {"name": "LOCKSTEP_POD_INDEX", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
     env += spec.get("env", [])
-    grpc_probe = {"grpc": {"port": RANK_GRPC_PORT}}
+    ports = [{"name": "grpc", "containerPort": RANK_GRPC_PORT, "protocol": "TCP"},
+             {"name": "store", "containerPort": RANK_STORE_PORT, "protocol": "TCP"}]
+    if tls_env:  # the kubelet's gRPC probes cannot speak TLS: they use the plaintext health port
+        ports.append({"name": "health", "containerPort": RANK_HEALTH_PORT, "protocol": "TCP"})
+    grpc_probe = {"grpc": {"port": RANK_HEALTH_PORT if tls_env else RANK_GRPC_PORT}}
     container = {
         "name": "rank",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["lockstep", "rank"],
         "env": env,
-        "ports": [{"name": "grpc", "containerPort": RANK_GRPC_PORT, "protocol": "TCP"},
-                  {"name": "store", "containerPort": RANK_STORE_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": spec["resources"],
         "startupProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 90},
         "readinessProbe": grpc_probe | {"periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": grpc_probe | {"periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()[1]],
+        "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()[1]] + tls_mounts,
     }
     template: Manifest = {
         "metadata": {"labels": _labels(name, "rank", g)},
         "spec": {
             "containers": [container],
-            "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, _token_volume(name)],
+            "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, _token_volume(name)]
+            + tls_volumes,
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
         } | _pod_extras(spec),
@@ -277,11 +339,13 @@ def group_network_policy(name: str, namespace: str, index: int) -> Manifest:
 
 
 def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> Manifest:
-    """One coordinator (Recreate: two coordinators must never drive the same ranks at once)."""
+    """One coordinator (Recreate: two coordinators must never drive the same ranks at once). Its groups come
+    from the `groups_configmap` file, so the pod template does not depend on `spec.groups`."""
     coord = spec["coordinator"]
     model_path, volumes, mounts = _model_env_and_mounts(spec)
-    pairs = _common_env(spec, model_path) | {
-        "LOCKSTEP_GROUPS": groups_env(name, namespace, spec),
+    tls_env, tls_volumes, tls_mounts = _rank_tls(spec, "coordinator")
+    pairs = _common_env(spec, model_path) | tls_env | {
+        "LOCKSTEP_GROUPS_FILE": f"{GROUPS_MOUNT}/{GROUPS_KEY}",
         "LOCKSTEP_HOST": "0.0.0.0",
         "LOCKSTEP_HTTP_PORT": str(coord["httpPort"]),
         "LOCKSTEP_GRPC_PORT": str(coord["grpcPort"]),
@@ -306,7 +370,8 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         # alive as long as it serves HTTP, so a down group never restarts the coordinator.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": mounts + [_token_mount()[1]],
+        "volumeMounts": mounts + [_token_mount()[1], {"name": GROUPS_VOLUME, "mountPath": GROUPS_MOUNT,
+                                                       "readOnly": True}] + tls_mounts,
     }
     pod_extras = {k: v for k, v in _pod_extras(spec).items() if k in ("nodeSelector", "imagePullSecrets")}
     return {
@@ -320,11 +385,15 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
             "selector": {"matchLabels": selector(name, "coordinator")},
             "template": {
                 "metadata": {"labels": _labels(name, "coordinator")},
-                "spec": {"containers": [container], "volumes": volumes + [_token_volume(name)],
-                         "enableServiceLinks": False} | pod_extras,
+                "spec": {"containers": [container], "enableServiceLinks": False,
+                         "volumes": volumes + [_token_volume(name), _groups_volume(name)] + tls_volumes} | pod_extras,
             },
         },
     }
+
+
+def _groups_volume(name: str) -> Manifest:
+    return {"name": GROUPS_VOLUME, "configMap": {"name": groups_configmap_name(name)}}
 
 
 def coordinator_service(name: str, namespace: str, spec: dict[str, Any]) -> Manifest:
@@ -358,5 +427,6 @@ def build_all(name: str, namespace: str, spec: dict[str, Any]) -> list[Manifest]
     out: list[Manifest] = []
     for i in range(spec["groups"]):
         out += group_manifests(name, namespace, spec, i)
-    out += [coordinator_service(name, namespace, spec), coordinator_deployment(name, namespace, spec)]
+    out += [coordinator_service(name, namespace, spec), groups_configmap(name, namespace, spec),
+            coordinator_deployment(name, namespace, spec)]
     return out

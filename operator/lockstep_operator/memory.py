@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from lockstep_operator.drain import Drain
 from lockstep_operator.kube import Kube
@@ -40,6 +41,12 @@ class OperatorMemory:
     drain_outcomes: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     # lockstep_agreements_stalled per coordinator group (None: /metrics unreadable), per deployment.
     stalled: dict[tuple[str, str], dict[str, float] | None] = field(default_factory=dict)
+    # The coordinator's /health body (None: unreadable), per deployment: the Degraded condition reads it.
+    health: dict[tuple[str, str], dict[str, Any] | None] = field(default_factory=dict)
+    # Deployments whose drains were taken back from the coordinator's /health since this operator started.
+    adopted: set[tuple[str, str]] = field(default_factory=set)
+    # When to try that again, per deployment, while the coordinator cannot be read: clock seconds.
+    next_adopt_check: dict[tuple[str, str], float] = field(default_factory=dict)
     _locks: dict[tuple[str, str], threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -60,8 +67,15 @@ class OperatorMemory:
             for book in (self.drains, self.resumes):
                 for key in [k for k in book if k[:2] == (namespace, name)]:
                     book.pop(key, None)
-            for book in (self.drain_outcomes, self.stalled, self.next_resume_check):
+            for book in (self.drain_outcomes, self.stalled, self.health, self.next_resume_check,
+                         self.next_adopt_check):
                 book.pop((namespace, name), None)
+            self.adopted.discard((namespace, name))
+
+    def adoption_tried(self, namespace: str, name: str) -> bool:
+        """Whether the coordinator's /health was asked for this deployment's drains since the operator started
+        (and answered, or could not be read): until then no drain is started, as it may be running already."""
+        return (namespace, name) in self.adopted or (namespace, name) in self.next_adopt_check
 
     def drains_for(self, namespace: str, name: str) -> dict[str, Drain]:
         """The drains asked for one deployment: group name -> record (a copy)."""

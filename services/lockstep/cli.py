@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 USAGE = """usage: lockstep {serve,rank,coordinator,bench} [options]
@@ -11,6 +12,14 @@ USAGE = """usage: lockstep {serve,rank,coordinator,bench} [options]
   coordinator  the coordinator of one or more groups, with the OpenAI-compatible API
   bench        the load generator and benchmark
 """
+NEEDS_TORCH = ("rank", "serve")
+
+
+def _has_torch() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command in NEEDS_TORCH and not _has_torch():
+        print(f"lockstep {command}: runs the model, which needs torch; install it with "
+              "pip install 'lockstep[rank]' (the coordinator and the operator run without it)", file=sys.stderr)
+        return 2
     if command == "rank":
         from lockstep.rank.main import main as run
     elif command == "coordinator":

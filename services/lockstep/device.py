@@ -37,6 +37,15 @@ def pick_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def device_slots() -> int:
+    """How many ranks can compute side by side here: one per GPU, else one per CPU core this process may use
+    (more ranks than cores make every collective wait on a descheduled peer)."""
+    wanted = os.environ.get(DEVICE_ENV, "").strip()
+    if (not wanted or wanted.startswith("cuda")) and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def dist_backend(device: torch.device | str) -> str:
     """NCCL for CUDA tensors, gloo for CPU ones: the collectives must run where the activations live."""
     kind = torch.device(device).type

@@ -34,6 +34,7 @@ from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
 from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import load_model
+from lockstep.model.penalties import PenaltyBook, RowPenalty, penalize
 from lockstep.model.sampling import sample, token_logprobs
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.steps import Chunk, GroupBroken, Plan, PromptLogprobs, RankInfo, Report, Sampled, Timings
@@ -41,6 +42,9 @@ from lockstep.steps import Chunk, GroupBroken, Plan, PromptLogprobs, RankInfo, R
 log = logging.getLogger("lockstep.engine")
 
 DEFAULT_CPU_KV_BUDGET = 1 << 30
+# The rank whose tokens the coordinator uses; the others skip sampling (and penalties and logprobs): every rank
+# holds the same logits, and the tokens come back to all of them in the next plan anyway.
+SAMPLING_RANK = 0
 
 
 def sample_seed(request_id: str, seed: int | None, sample_index: int) -> int:
@@ -63,6 +67,7 @@ class Engine:
         self.config = config
         self.model_id = model_id
         self.device = kv.k[0].device
+        self.penalties = PenaltyBook()  # token counts of the penalized requests this rank holds
         self.page_bytes = {name: KVCache.bytes_per_page(config, comm.world_size, kv.page_size, kv.k[0].dtype, name)
                            for name in cache.pools}
 
@@ -114,6 +119,9 @@ class Engine:
     def step(self, plan: Plan) -> Report:
         """Carry out one plan in the order of the step protocol; the report is what this rank holds after it."""
         t0 = time.perf_counter()
+        if plan.release_all:
+            self.penalties.clear()
+        self.penalties.release(plan.releases)  # a released request is admitted again with its history
         try:
             self.cache.prepare(plan)
             error = ""
@@ -173,19 +181,29 @@ class Engine:
         logits, scored = self._forward_and_score(batch, ids, attn)
         rows = [i for i, c in enumerate(batch) if c.sample]
         sampled: tuple[Sampled, ...] = ()
-        if rows:
+        if rows and self.comm.rank == SAMPLING_RANK:
             chosen = [batch[i] for i in rows]
             tokens = sample(
-                logits[rows],
+                self._adjusted(batch, rows, logits),
                 [c.sampling for c in chosen],
                 [sample_seed(c.request_id, c.sampling.seed, c.sample_index) for c in chosen],
             )
             sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
-            if self.comm.rank == 0:  # one rank's logprobs are the group's (the coordinator reads rank 0's)
-                sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
+            sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
         for chunk in batch:
             self.cache.advance(chunk)
         return sampled, scored
+
+    def _adjusted(self, batch: tuple[Chunk, ...], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits to draw from: with their penalties and biases (greedy included), from the
+        token counts this rank keeps, which every chunk of a penalized request updates. Logprobs stay raw."""
+        counts = {c.request_id: self.penalties.counts(c) for c in batch if c.sampling.needs_history}
+        vocab = logits.shape[-1]
+        adjust = [RowPenalty.of(batch[i].sampling, batch[i].sample_index, counts.get(batch[i].request_id), vocab)
+                  for i in rows]
+        if not any(a is not None for a in adjust):
+            return logits[rows]
+        return penalize(logits[rows], adjust)
 
     def _forward_and_score(self, batch: tuple[Chunk, ...], ids: torch.Tensor, attn: dict[str, AttentionBatch]
                            ) -> tuple[torch.Tensor, tuple[PromptLogprobs, ...]]:

@@ -25,6 +25,29 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = -1  # -1: off; k >= 0: report the sampled token's logprob and the k most likely (TokenLogprobs)
     prompt_logprobs: int = -1  # -1: off; k >= 0: the prompt tokens' logprobs too (echo), each with the k most likely
+    # vLLM's penalties and biases, applied to the logits before temperature, top-k and top-p (model/penalties.py):
+    repetition_penalty: float = 1.0  # > 0; 1: off. Logits of tokens in the prompt or output: / r if > 0, else * r
+    frequency_penalty: float = 0.0  # [-2, 2]; minus f times the token's count in the output
+    presence_penalty: float = 0.0  # [-2, 2]; minus p for a token present in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit; kept sorted
+    min_tokens: int = 0  # until this many tokens are generated, `stop_token_ids` cannot be sampled
+    stop_token_ids: tuple[int, ...] = ()  # the ids min_tokens holds off (EOS unless ignore_eos, the client's)
+
+    def __post_init__(self) -> None:
+        # a list or dict given here would make two equal params differ (and the frozen class unhashable)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted({int(i): float(b) for i, b in bias}.items())))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the rank must know the request's tokens to sample it (repetition, frequency, presence)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (else they are sampled as the model gave them)."""
+        return self.needs_history or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_token_ids))
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,9 @@ class Chunk:
     # the chunk, the last position's being `next_token_id` (the prompt token after the chunk; -1: none)
     prompt_logprobs: int = -1
     next_token_id: int = -1
+    # tokens [0, start) of the request, sent with a penalized request's first sampling chunk after admission
+    # (SamplingParams.needs_history): the rank keeps its token counts from there (None: not sent)
+    history: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

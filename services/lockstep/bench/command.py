@@ -35,12 +35,18 @@ def _int_at_least(low: int):
     return read
 
 
+CONTROL_PLANE_EPILOG = """\
+lockstep bench --control-plane [--batch 8,64,256] [--tp 1,2] [--steps N] [--agreement on|off|both] ...
+  A different benchmark: the control plane's ceiling. The real coordinator, gRPC streams and rank service
+  around a forward that runs no model, per step at each batch (`lockstep bench --control-plane --help`)."""
+
+
 _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc,
+    p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc, epilog=CONTROL_PLANE_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="a Hugging Face checkpoint directory, or 'builtin' / 'builtin:NAME' "
@@ -63,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", choices=("served", "in-process"), help="run one side only")
     p.add_argument("--json", type=Path, help="also write the numbers to this file")
     p.add_argument("--log-dir", type=Path, help="keep the served processes' logs here")
+    p.add_argument("--url", action="append", default=[], metavar="URL",
+                   help="instead of the two runs: load this OpenAI-compatible server (http://host:port/v1), "
+                   "repeatable, each in turn with the same streamed text prompts (made from --model's tokenizer)")
+    p.add_argument("--served-model", default="", help="with --url: the `model` field to send")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                   help="with --url: Bearer key (default: $OPENAI_API_KEY)")
     args = p.parse_args(argv)
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} is larger than --max-prompt {args.max_prompt}")
@@ -95,6 +107,15 @@ def _model_limits(model_dir: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--control-plane"]:
+        from lockstep.bench.control_plane_cli import main as control_plane
+
+        return control_plane(argv[1:], prog="lockstep bench --control-plane")
+    return _bench(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    """The served run against the in-process run, as the flags say."""
     args = parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     try:
@@ -113,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                           prefix_caching=not args.no_prefix_caching, warmup=args.warmup)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
                                  args.concurrency, vocab, args.seed)
+        if args.url:
+            return _external(args, model_dir, workload)
         log_dir = args.log_dir or scratch / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         raw: dict[str, RunResult] = {}
@@ -138,6 +161,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["completed"] == r["requests"] for r in runs) else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
+    """Every --url in turn, loaded by the same client with the same text prompts; one table, one column each."""
+    from lockstep.bench.external import Target, format_runs, run_external
+    from lockstep.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = [tokenizer.decode(p) for p in workload.prompts]
+    try:
+        targets = [Target(url, args.served_model, args.api_key) for url in args.url]
+        for t in targets:
+            t.connection(1.0)  # the URL's form is checked before any run
+    except ValueError as exc:
+        print(f"lockstep bench: {exc}", file=sys.stderr)
+        return 2
+    runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup) for t in targets]
+    print(format_runs(runs))
+    for run in runs:
+        for error in run.errors[:3]:
+            print(f"{run.url}: {error}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"command": "lockstep bench " + " ".join(sys.argv[1:]),
+                                         "runs": [r.summary() for r in runs]}, indent=2))
+    return 0 if not any(r.errors for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from lockstep.kv.paging import first_page, growth_pages, held_pages, pages_for, peak_pages, pool_window
 from lockstep.steps import PoolState, ProbeAnswer, Report
 
-DEFERRAL_REASONS = ("pages", "max_num_seqs", "token_budget", "probe_pending")
+DEFERRAL_REASONS = ("pages", "max_num_seqs", "token_budget", "probe_pending", "prefix_pending")  # prefix_sharing.py
 
 
 def allocatable_pages(report: Report) -> int:

@@ -41,11 +41,13 @@ def choice_ids(request_id: str, n: int) -> list[str]:
 
 
 def _joined(pieces: Sequence[TextPiece]) -> Completion:
-    reasons = [p.finish_reason for p in pieces if p.finish_reason is not None]
+    """One choice's pieces as its whole answer: the finish reason and stop_reason are the last piece's."""
+    ends = [p for p in pieces if p.finish_reason is not None]
     return Completion("".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
-                      reasons[-1] if reasons else None, pieces[-1].cached_tokens if pieces else 0,
+                      ends[-1].finish_reason if ends else None, pieces[-1].cached_tokens if pieces else 0,
                       [lp for p in pieces for lp in p.logprobs] or (),
-                      next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None))
+                      next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None),
+                      ends[-1].stop_reason if ends else None)
 
 
 # ----- n choices

@@ -6,8 +6,10 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lockstep.coordinator.auth import parse_api_keys
+from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.rebalance import RebalancePolicy
 from lockstep.coordinator.routing import POLICIES as ROUTING_POLICIES
 from lockstep.coordinator.routing import parse_policy
@@ -23,6 +25,7 @@ class CoordinatorConfig:
     """Everything the coordinator of one or more groups needs besides the model's own files."""
 
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    groups_file: str = ""  # re-read while running: groups come and go without a restart (coordinator/group_list.py)
     model: str = "builtin"
     served_model_name: str = ""
     host: str = "0.0.0.0"
@@ -42,10 +45,14 @@ class CoordinatorConfig:
     rebalance_cooldown: float = 120.0  # seconds, on the coordinator's clock
     rebalance_min_samples: int = 2000
     rebalance_threshold: float = 1.25
+    shutdown_grace: float = 5.0  # seconds the requests in flight get on Ctrl-C / SIGTERM
+    max_logprobs: int = 20  # the most logprobs/top_logprobs/prompt_logprobs a request may ask (vLLM's --max-logprobs)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys of the HTTP and gRPC APIs; none: open
     rank_auth: RankClientAuth = field(default_factory=RankClientAuth)  # group token and TLS towards the ranks
 
     def __post_init__(self) -> None:
+        if type(self.max_logprobs) is not int or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -94,6 +101,12 @@ SCHEDULING = (
             "(0: 503 at once when no other group is up)", within(0, 86400)),
     Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
             help="turn prefix caching off", switch=True, flag_value=False),
+    Setting("shutdown_grace", "--shutdown-grace", "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", number, 5.0,
+            "on Ctrl-C / SIGTERM, how long the requests in flight may still run before the coordinator stops "
+            "(a second signal stops it at once)", within(0, 3600)),
+    Setting("max_logprobs", "--max-logprobs", "LOCKSTEP_MAX_LOGPROBS", integer, 20,
+            "the most logprobs a request may ask for (completions' logprobs and prompt_logprobs, chat's "
+            "top_logprobs); more is a 400 naming the field", at_least(0)),
     Setting("routing", "--routing", "LOCKSTEP_ROUTING", parse_policy, "prefix",
             "which group a new request goes to: 'prefix' (the group last sent its longest prefix, unless that "
             "group is far busier than the least loaded) or 'least-loaded'"),
@@ -123,15 +136,29 @@ def parse_groups(items: list[str]) -> dict[str, tuple[str, ...]]:
     """`g0=host:port,host:port` items (or one `LOCKSTEP_GROUPS` string joined by ';') -> name -> addresses."""
     groups: dict[str, tuple[str, ...]] = {}
     for item in items:
-        for part in filter(None, (p.strip() for p in item.split(";"))):
-            name, sep, addrs = part.partition("=")
-            addresses = tuple(a.strip() for a in addrs.split(",") if a.strip())
-            if not sep or not name.strip() or not addresses:
-                raise ValueError(f"a group is NAME=HOST:PORT[,HOST:PORT...], got {part!r}")
-            groups[name.strip()] = addresses
+        groups.update(parse_group_list(item.replace("\n", ";")))
     if not groups:
-        raise ValueError("no group given: pass --group g0=HOST:PORT,... or set LOCKSTEP_GROUPS")
+        raise ValueError("no group given: pass --group g0=HOST:PORT,... or --groups-file, or set LOCKSTEP_GROUPS")
     return groups
+
+
+def read_groups(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], str]:
+    """The groups at start and the groups file to watch (""): from --groups-file / LOCKSTEP_GROUPS_FILE when
+    given (then --group and LOCKSTEP_GROUPS must not be), else from --group / LOCKSTEP_GROUPS."""
+    path = args.groups_file or env.get("LOCKSTEP_GROUPS_FILE", "")
+    if not path:
+        return parse_groups(args.group or [env.get("LOCKSTEP_GROUPS", "")]), ""
+    if args.group or env.get("LOCKSTEP_GROUPS"):
+        raise ValueError("give the groups either in a groups file (--groups-file / LOCKSTEP_GROUPS_FILE) or as "
+                         "--group / LOCKSTEP_GROUPS, not both")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the groups file {path}: {exc}") from exc
+    groups = parse_group_list(text)
+    if not groups:
+        raise ValueError(f"the groups file {path} lists no group")
+    return groups, path
 
 
 def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -> CoordinatorConfig:
@@ -142,6 +169,10 @@ def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -
                                             "and /metrics.")
     p.add_argument("--group", action="append", default=[],
                    help="NAME=HOST:PORT,HOST:PORT (ranks in order; repeatable; env LOCKSTEP_GROUPS, ';'-joined)")
+    p.add_argument("--groups-file", default="", metavar="PATH",
+                   help="a file of groups, one NAME=HOST:PORT,HOST:PORT a line, re-read while running: groups "
+                        "added start, groups gone have their requests moved to the others first (env "
+                        "LOCKSTEP_GROUPS_FILE; instead of --group)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
     add_settings(p, SETTINGS + SCHEDULING + REBALANCE + RANK_AUTH_SETTINGS)
     args = p.parse_args(argv)
@@ -149,7 +180,8 @@ def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -
     try:
         values["api_keys"] = parse_api_keys(args.api_key, env.get("LOCKSTEP_API_KEY", ""))
         values["rank_auth"] = client_auth(resolve(p, args, RANK_AUTH_SETTINGS, env), env)
-        config = CoordinatorConfig(groups=parse_groups(args.group or [env.get("LOCKSTEP_GROUPS", "")]), **values)
+        groups, groups_file = read_groups(args, env)
+        config = CoordinatorConfig(groups=groups, groups_file=groups_file, **values)
     except ValueError as exc:
         p.error(str(exc))
     return config

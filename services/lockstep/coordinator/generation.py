@@ -10,11 +10,13 @@ and every rule here is tested without a server.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
+from lockstep.coordinator.endings import StopReason, prompt_only, stop_after, stop_reason
 from lockstep.coordinator.request import FinishReason
 from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
@@ -29,6 +31,10 @@ MAX_STOP_CHARS = 256  # a longer stop string would hold all output back until th
 TEMPERATURE_MAX = 2.0
 TOP_K_MAX = (1 << 31) - 1
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+PENALTY_MAX = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's and vLLM's range)
+LOGIT_BIAS_MAX = 100.0  # |bias| of a logit_bias entry (OpenAI's range)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]{0,18}")  # a logit_bias key: a token id in decimal (OpenAI's shape)
 _KIND_NAMES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -78,6 +84,7 @@ class GenerateSpec:
     max_tokens_given: bool = True  # False: max_tokens is "up to the context", which the group may lower
     n: int = 1  # choices; `choice_specs` fans a spec out into n specs of one choice each
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string or token stays in the text
+    echo_only: bool = False  # max_tokens 0 with echo: run with max_tokens 1, the token dropped (endings.prompt_only)
 
 
 class ServedModel(Protocol):
@@ -145,6 +152,12 @@ class SamplingFields:
     ignore_eos: bool | None = None
     stop_token_ids: Sequence[int] = ()
     include_stop_str_in_output: bool | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias
+    echo: bool | None = None  # completions' echo, which alone allows max_tokens 0
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> SamplingFields:
@@ -163,7 +176,25 @@ class SamplingFields:
             raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
         return cls(temperature, top_p, top_k, seed, n, max_tokens, [stop] if isinstance(stop, str) else stop,
                    json_field(body, "ignore_eos", (bool,)), [int(t) for t in stop_ids],
-                   json_field(body, "include_stop_str_in_output", (bool,)))
+                   json_field(body, "include_stop_str_in_output", (bool,)),
+                   *(json_field(body, name, (int, float)) for name in ("repetition_penalty", "frequency_penalty",
+                                                                      "presence_penalty")),
+                   json_field(body, "min_tokens", (int,)), _logit_bias_json(body), json_field(body, "echo", (bool,)))
+
+
+def _logit_bias_json(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: an object from token ids (decimal strings) to numbers; a 400 naming it otherwise."""
+    bias = json_field(body, "logit_bias", (dict,))
+    if bias is None:
+        return None
+    out: dict[int, float] = {}  # (_penalties checks the count)
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise ApiError(400, f"'logit_bias' keys must be token ids in decimal, got {_shown(key)}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"'logit_bias' values must be numbers, got {type(value).__name__}", "logit_bias")
+        out[int(key)] = _real(value, 0.0, "logit_bias")
+    return out
 
 
 def _is_integer(value: object) -> bool:
@@ -191,8 +222,9 @@ def parse_sampling(fields: SamplingFields) -> Sampling:
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {_shown(n)}", "n")
     max_tokens = fields.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be at least 1, got {_shown(max_tokens)}", "max_tokens")
+    if max_tokens is not None and max_tokens < (0 if fields.echo else 1):
+        raise ApiError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {_shown(max_tokens)}",
+                       "max_tokens")
     stop = list(fields.stop)
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} of them, each of at "
@@ -219,7 +251,31 @@ def _sampling_params(fields: SamplingFields) -> SamplingParams:
     seed = fields.seed
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         raise ApiError(400, f"'seed' must be a 64-bit signed integer, got {_shown(seed)}", "seed")
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed, **_penalties(fields))
+
+
+def _penalties(fields: SamplingFields) -> dict[str, Any]:
+    """The penalty fields of SamplingParams, range-checked (NaN is out of every range)."""
+    repetition = _real(fields.repetition_penalty, 1.0, "repetition_penalty")
+    if not 0.0 < repetition < math.inf:
+        raise ApiError(400, f"'repetition_penalty' must be > 0, got {_shown(repetition)}", "repetition_penalty")
+    out: dict[str, Any] = {"repetition_penalty": repetition}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = _real(getattr(fields, name), 0.0, name)
+        if not -PENALTY_MAX <= value <= PENALTY_MAX:
+            raise ApiError(400, f"'{name}' must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {_shown(value)}", name)
+        out[name] = value
+    min_tokens = 0 if fields.min_tokens is None else fields.min_tokens
+    if min_tokens < 0:
+        raise ApiError(400, f"'min_tokens' must be at least 0, got {_shown(min_tokens)}", "min_tokens")
+    bias = dict(fields.logit_bias or {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    for token, value in bias.items():
+        if not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+            raise ApiError(400, f"'logit_bias' values must be between -{LOGIT_BIAS_MAX:g} and {LOGIT_BIAS_MAX:g}, "
+                                f"got {_shown(value)} for token {_shown(token)}", "logit_bias")
+    return {**out, "min_tokens": min_tokens, "logit_bias": tuple(bias.items())}
 
 
 def _real(value: float | None, default: float, name: str) -> float:
@@ -256,6 +312,8 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
     if any(t < 0 or t >= vocab for t in sampling.stop_token_ids):
         raise ApiError(400, f"'stop_token_ids' must be token ids in [0, {vocab})", "stop_token_ids")
+    if any(not 0 <= t < vocab for t, _ in sampling.params.logit_bias):
+        raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab})", "logit_bias")
     room = limit - len(prompt_ids)
     if room < 1:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
@@ -267,10 +325,15 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
         raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                             f"{len(prompt_ids)} tokens and max_tokens is {_shown(max_tokens)}", "max_tokens",
                        "context_length_exceeded")
+    params = sampling.params
+    if params.min_tokens > max_tokens and sampling.max_tokens is not None:  # vLLM's 400
+        raise ApiError(400, f"'min_tokens' ({_shown(params.min_tokens)}) must not exceed 'max_tokens' "
+                            f"({max_tokens})", "min_tokens")
+    params = replace(params, min_tokens=min(params.min_tokens, max_tokens))  # else the context ends it
     eos = set() if sampling.ignore_eos else set(model.tokenizer.eos_token_ids)
     stop_ids = sorted(eos | set(sampling.stop_token_ids))
-    return GenerateSpec(list(prompt_ids), sampling.params, max_tokens, sampling.stop, stop_ids, sampling.ignore_eos,
-                        sampling.max_tokens is not None, sampling.n, sampling.include_stop_str)
+    return GenerateSpec(list(prompt_ids), params, max(max_tokens, 1), sampling.stop, stop_ids, sampling.ignore_eos,
+                        sampling.max_tokens is not None, sampling.n, sampling.include_stop_str, max_tokens == 0)
 
 
 # ----- output
@@ -287,6 +350,7 @@ class TextPiece(NamedTuple):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     logprobs: Sequence[TokenLogprobs | None] = ()
     prompt_logprobs: Sequence[TokenLogprobs] | None = None
+    stop_reason: StopReason = None  # with finish_reason: vLLM's (the stop string or token id; endings.py)
 
 
 class Completion(NamedTuple):
@@ -298,6 +362,7 @@ class Completion(NamedTuple):
     cached_tokens: int
     logprobs: Sequence[TokenLogprobs | None] = ()
     prompt_logprobs: Sequence[TokenLogprobs] | None = None
+    stop_reason: StopReason = None
 
 
 def generate_text(frontend: Frontend, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TextPiece, None]:
@@ -318,14 +383,17 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     vocab = tokenizer.vocab_size
     hidden = frozenset(() if spec.include_stop_str else spec.stop_token_ids)
     hold = max((len(s) for s in spec.stop), default=1) - 1
-    text, sent, ids, lps = "", 0, [], []
+    # `count`: tokens out; `guard`: where the text of the min_tokens-th ends (see stop_after)
+    text, sent, ids, lps, count, guard, last = "", 0, [], [], 0, 0, None
     prompt_lps = None  # the prompt's logprobs, until a piece carries them
+    events = prompt_only(events) if spec.echo_only else events
     async with aclosing(events):
         async for ev in events:
             _raise_error(ev)
             if ev.prompt_logprobs is not None:
                 prompt_lps = ev.prompt_logprobs
             if ev.token_id is not None:
+                count, last = count + 1, ev.token_id
                 ids.append(ev.token_id)
                 if spec.sampling.logprobs >= 0:  # else pieces carry none: ()
                     lps.append(ev.logprobs)
@@ -335,11 +403,13 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             reason = ev.finish_reason
             if reason is not None:
                 text += decoder.flush()  # before the stop check: the held-back text may hold a stop string
-            cut = _find_stop(text, spec.stop, sent, spec.include_stop_str)
+            cut, guard = stop_after(text, spec.stop, spec.sampling.min_tokens, spec.include_stop_str, sent, count,
+                                    guard)
             if cut is not None:
-                text, reason = text[:cut], FinishReason.STOP
+                text, reason = text[:cut[0]], FinishReason.STOP
             if reason is not None:
-                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or (), prompt_lps)
+                yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or (), prompt_lps,
+                                stop_reason(tokenizer, spec, reason, cut, last))
                 return
             safe = len(text) - hold
             if safe > sent:  # the prompt's logprobs go out with the first piece
@@ -354,20 +424,9 @@ def _raise_error(ev: TokenEvent) -> None:
         raise ApiError(503, ev.error, code="group_unavailable", err_type="service_unavailable")
 
 
-def _find_stop(text: str, stops: list[str], sent: int, keep: bool = False) -> int | None:
-    """Where the text ends at the first stop string: where it starts, or (`keep`) where it ends. Text before
-    `sent` holds none, so the search starts there."""
-    best, end = None, None
-    for s in stops:
-        i = text.find(s, max(0, sent - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best, end = i, i + len(s)
-    return end if keep else best
-
-
 async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
     """The whole answer of a non-streaming request (cancelled, it closes the pieces: the request aborts)."""
-    text, ids, reason, cached, lps, prompt_lps = [], [], None, 0, [], None
+    text, ids, reason, cached, lps, prompt_lps, why = [], [], None, 0, [], None, None
     async with aclosing(pieces):
         async for piece in pieces:
             text.append(piece.text)
@@ -375,5 +434,6 @@ async def collect(pieces: AsyncGenerator[TextPiece, None]) -> Completion:
             lps.extend(piece.logprobs)
             reason, cached = piece.finish_reason or reason, piece.cached_tokens
             prompt_lps = piece.prompt_logprobs if prompt_lps is None else prompt_lps
-    return Completion("".join(text), ids, reason, cached, lps or (), prompt_lps)
+            why = piece.stop_reason if piece.finish_reason is not None else why
+    return Completion("".join(text), ids, reason, cached, lps or (), prompt_lps, why)
 

@@ -27,6 +27,7 @@ log = logging.getLogger("lockstep.group")
 
 POLL_S = 0.25
 RECONNECT_S = 1.0
+STREAM_ACK_S = 5.0  # how long a rank that answered Info may take to acknowledge a new Step stream
 
 
 def inconsistent(infos: list[RankInfo], size: int) -> str:
@@ -83,7 +84,8 @@ class GroupRanks:
         while True:
             infos, why = await self._infos()
             if not why:  # supersede older streams first, so no plan still queued on them runs after this read
-                await self._open_streams()
+                why = await self._open_streams()
+            if not why:
                 infos, why = await self._infos()
             step, behind = one_step_behind(infos) if not why else (-1, [])
             if behind:
@@ -99,10 +101,24 @@ class GroupRanks:
             await asyncio.sleep(RECONNECT_S)
         return infos
 
-    async def _open_streams(self) -> None:
+    async def _open_streams(self) -> str:
+        """Open a new Step stream to every rank and wait until each rank has taken it over (its initial
+        metadata): only then has the rank ended the older streams, so no plan queued on them starts after
+        the Info read that follows. Returns why the group cannot go on, or ""."""
         self.inbox = asyncio.Queue()
         for link in self.links:
             await link.open(self.inbox)
+        acks = [asyncio.ensure_future(link.call.initial_metadata()) for link in self.links]
+        _, late = await asyncio.wait(acks, timeout=STREAM_ACK_S)
+        for link, ack in zip(self.links, acks, strict=True):
+            if ack in late:  # a rank older than this coordinator says nothing before its first report
+                ack.cancel()
+                log.warning("group %s: rank %d at %s did not acknowledge its new Step stream in %g s (a rank "
+                            "older than this coordinator?); reading its step anyway", self.name, link.rank,
+                            link.address, STREAM_ACK_S)
+            elif isinstance(ack.exception(), grpc.aio.AioRpcError):
+                return f"rank {link.rank} at {link.address} refused a new Step stream ({ack.exception().code().name})"
+        return ""
 
     async def _infos(self) -> tuple[list[RankInfo], str]:
         infos = []

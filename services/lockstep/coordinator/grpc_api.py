@@ -17,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lockstep.coordinator.auth import ApiKeys
+from lockstep.coordinator.endings import StopReason
 from lockstep.coordinator.generation import (
-    MAX_LOGPROBS,
     ApiError,
     Frontend,
     GenerateSpec,
@@ -28,12 +28,14 @@ from lockstep.coordinator.generation import (
     collect,
     generate_text,
 )
+from lockstep.coordinator.openai_fields import max_logprobs_of
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 from lockstep.steps import TokenLogprobs
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
            503: grpc.StatusCode.UNAVAILABLE}
-_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_tokens", "repetition_penalty", "frequency_penalty",
+             "presence_penalty", "min_tokens", "ignore_eos")
 MAX_REQUEST_ID_CHARS = 256
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 _SERVICE = f"/{INFERENCE_SERVICE}/"
@@ -43,7 +45,8 @@ HEALTH_WATCH_POLL_S = 1.0  # how soon a Watch hears that the last group went dow
 def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
     """The request's sampling fields; an optional field left unset is None (the default), as in JSON."""
     given = {name: getattr(req, name) for name in _OPTIONAL if req.HasField(name)}
-    return SamplingFields(stop=list(req.stop), **given)
+    return SamplingFields(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+                          logit_bias=dict(req.logit_bias) or None, **given)
 
 
 def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tuple[GenerateSpec, str]:
@@ -59,19 +62,46 @@ def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tupl
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ApiError(400, f"'request_id' must have at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
     spec = build_spec(frontend, sampling_fields(req), prompt_ids)
-    if req.HasField("logprobs"):
-        if not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
-        spec = replace(spec, sampling=replace(spec.sampling, logprobs=req.logprobs))
+    asked = {name: _logprobs_field(frontend, req, name) for name in ("logprobs", "prompt_logprobs")}
+    spec = replace(spec, sampling=replace(spec.sampling, **{k: v for k, v in asked.items() if v >= 0}))
     return spec, req.request_id or ("cmpl-" + uuid.uuid4().hex)
+
+
+def _logprobs_field(frontend: Frontend, req: inference_pb2.GenerateRequest, name: str) -> int:
+    """The request's `logprobs` or `prompt_logprobs` (-1: unset), within the coordinator's --max-logprobs."""
+    if not req.HasField(name):
+        return -1
+    k, most = getattr(req, name), max_logprobs_of(frontend)
+    if not 0 <= k <= most:
+        raise ApiError(400, f"'{name}' must be between 0 and {most}, got {k} (the server's --max-logprobs)", name)
+    return k
+
+
+def _stop_reason(msg: inference_pb2.GenerateResponse, why: StopReason) -> None:
+    """vLLM's stop_reason into the message's oneof (a stop string, or a stop token id)."""
+    if isinstance(why, str):
+        msg.stop_string = why
+    elif why is not None:
+        msg.stop_token_id = why
 
 
 def logprob_msgs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
                  ) -> list[inference_pb2.TokenLogprobs]:
     """The tokens' logprobs as messages (a token the ranks sent none for has no message)."""
     return [inference_pb2.TokenLogprobs(token_id=t, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
-                                        top_logprobs=[v for _, v in lp.top])
+                                        top_logprobs=[v for _, v in lp.top], rank=lp.rank)
             for t, lp in zip(token_ids, logprobs, strict=False) if lp is not None]
+
+
+def prompt_logprob_msgs(spec: GenerateSpec, prompt_logprobs: Sequence[TokenLogprobs] | None
+                        ) -> list[inference_pb2.TokenLogprobs]:
+    """The prompt's logprobs as messages, entry i prompt token i + 1's (with its rank), each top cut to the k
+    asked for, so the answer holds what the request asked whatever the ranks sent."""
+    k = spec.sampling.prompt_logprobs
+    if k < 0 or prompt_logprobs is None:
+        return []
+    cut = [replace(lp, top=lp.top[:k]) for lp in prompt_logprobs]
+    return logprob_msgs(spec.prompt_ids[1:], cut)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -90,6 +120,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text, token_ids=piece.token_ids,
                                                          finish_reason=piece.finish_reason or "")
                     msg.logprobs.extend(logprob_msgs(piece.token_ids, piece.logprobs))
+                    msg.prompt_logprobs.extend(prompt_logprob_msgs(spec, piece.prompt_logprobs))  # the first's
+                    _stop_reason(msg, piece.stop_reason)
                     if first and request.return_token_ids:
                         msg.prompt_token_ids.extend(spec.prompt_ids)
                     first = False
@@ -109,7 +141,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         usage = inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(done.token_ids),
                                     total_tokens=prompt + len(done.token_ids), cached_tokens=done.cached_tokens)
         msg = inference_pb2.GenerateResponse(request_id=rid, text=done.text, finish_reason=done.finish_reason or "",
-                                             usage=usage, logprobs=logprob_msgs(done.token_ids, done.logprobs))
+                                             usage=usage, logprobs=logprob_msgs(done.token_ids, done.logprobs),
+                                             prompt_logprobs=prompt_logprob_msgs(spec, done.prompt_logprobs))
+        _stop_reason(msg, done.stop_reason)
         if request.return_token_ids:
             msg.token_ids.extend(done.token_ids)
             msg.prompt_token_ids.extend(spec.prompt_ids)

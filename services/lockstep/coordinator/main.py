@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable, Coroutine
@@ -10,11 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.coordinator.config import CoordinatorConfig, parse_config
+from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
+
+GROUPS_POLL_S = 2.0
+log = logging.getLogger("lockstep.coordinator")
 
 
 def resolve_model(model: str, progress: Callable[[str], None]) -> Path:
@@ -32,6 +37,40 @@ def model_name(model_dir: Path, model: ModelConfig, given: str) -> str:
         return given
     name = model.name_or_path
     return Path(name).name if name and not name.startswith("/") else model_dir.name
+
+
+async def watch_groups_file(coord: Coordinator, path: Path, interval: float = GROUPS_POLL_S) -> None:
+    """Apply the groups file whenever its text changes. Its content is compared, not its mtime: the kubelet
+    updates a mounted ConfigMap by swapping a symlink. A file that cannot be read or parsed, or that lists
+    no group, changes nothing (logged once per new text or error), so a half-written file never removes a
+    group; the coordinator keeps serving the groups it has."""
+    last: str | None = None
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            text = f"\0{exc}"  # compared like a text, so the same error is logged once
+            if text != last:
+                log.error("cannot read the groups file %s (%s); keeping groups %s", path, exc, sorted(coord.groups))
+            last = text
+            continue
+        if text == last:
+            continue
+        last = text
+        try:
+            listed = parse_group_list(text)
+        except ValueError as exc:
+            log.error("the groups file %s is not valid (%s); keeping groups %s", path, exc, sorted(coord.groups))
+            continue
+        if not listed:
+            log.error("the groups file %s lists no group; keeping groups %s", path, sorted(coord.groups))
+            continue
+        try:
+            if await coord.apply_groups(listed):
+                log.info("groups file %s applied: now serving groups %s", path, sorted(coord.groups))
+        except Exception:  # a bug here must not stop the watch: the next change is still applied
+            log.exception("applying the groups file %s failed; serving groups %s", path, sorted(coord.groups))
 
 
 def build(config: CoordinatorConfig, progress: Callable[[str], None]) -> Coordinator:
@@ -54,17 +93,27 @@ async def run(
         coord.group_up_listeners.append(on_group_up)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    grace = config.shutdown_grace
+
+    def on_signal() -> None:
+        """The first Ctrl-C / SIGTERM stops gracefully; the handlers go, so a second one stops at once."""
+        progress(f"stopping: requests in flight have {grace:g} s to finish (again to stop now)")
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(s)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
     api = OpenAIServer(coord, config.api_keys)
-    runner = await run_app(api.app(), config.host, config.http_port)
+    runner = await run_app(api.app(), config.host, config.http_port, grace)
     grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
     if not config.api_keys:
         progress("no API key set (--api-key / LOCKSTEP_API_KEY): /v1/* and /admin/* are open to anyone who "
                  "reaches the port")
+    regroup = loop.create_task(watch_groups_file(coord, Path(config.groups_file))) if config.groups_file else None
     ready = loop.create_task(coord.wait_ready())
     waiter = loop.create_task(stop.wait())
     watcher = loop.create_task(supervise if supervise is not None else asyncio.Event().wait())
@@ -78,8 +127,12 @@ async def run(
     else:
         ready.cancel()
     code = 0 if waiter in done else 1
-    await grpc_server.stop(1)
-    await runner.cleanup()
+    if regroup is not None:
+        regroup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await regroup
+    # both servers stop taking requests now; the groups keep stepping for the streams in their grace
+    await asyncio.gather(grpc_server.stop(grace), runner.cleanup())
     await coord.close()
     return code
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lockstep.coordinator.admission import DEFERRAL_REASONS
 from lockstep.coordinator.scheduler import SchedulerStats
 from lockstep.steps import PoolState
 
@@ -114,6 +115,14 @@ class Metrics:
             "lockstep_routing_decisions_total", "Requests routed to this group, by why it was chosen",
             ["group", "reason"], registry=r,
         )
+        self.routing_expected_hit_tokens = Counter(
+            "lockstep_routing_expected_hit_tokens_total", "Prompt tokens routing expected this group to skip, "
+            "from the prefixes it sent there (counted at each routed request's first token)", ["group"], registry=r,
+        )
+        self.routing_agreed_hit_tokens = Counter(
+            "lockstep_routing_agreed_hit_tokens_total", "Of the expected hit tokens, those the group's ranks agreed "
+            "to skip; below the expected ones, the routing map is stale", ["group"], registry=r,
+        )
 
     def init_group(self, group: str, ranks: int) -> None:
         """Create every series of a group at zero, so dashboards and alerts see it before traffic."""
@@ -122,7 +131,7 @@ class Metrics:
         self.agreements_stalled.labels(group).set(0)
         self.agreement_stalls.labels(group)
         self.prefix_agreed.labels(group)
-        for reason in ("pages", "max_num_seqs", "token_budget", "probe_pending"):
+        for reason in DEFERRAL_REASONS:
             self.admission_deferred.labels(group, reason)
         self.preemptions.labels(group)
         for state in ("waiting", "running"):
@@ -130,7 +139,8 @@ class Metrics:
         for hist in (self.ttft, self.itl, self.request_duration, self.step_duration):
             hist.labels(group)
         for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances,
-                        self.requests_migrated, self.requests_dropped):
+                        self.requests_migrated, self.requests_dropped, self.routing_expected_hit_tokens,
+                        self.routing_agreed_hit_tokens):
             counter.labels(group)
         for reason in ROUTING_REASONS:
             self.routing_decisions.labels(group, reason)

@@ -18,7 +18,14 @@ from aiohttp import web
 
 import lockstep
 from lockstep.coordinator.auth import ApiKeys
-from lockstep.coordinator.generation import ApiError, Frontend, SamplingFields, build_spec, check_model, json_field
+from lockstep.coordinator.generation import (
+    ApiError,
+    Frontend,
+    SamplingFields,
+    build_spec,
+    check_model,
+    json_field,
+)
 from lockstep.coordinator.openai_fields import (
     MAX_BODY_BYTES,
     check_echo,
@@ -26,11 +33,13 @@ from lockstep.coordinator.openai_fields import (
     check_messages,
     check_shadowed_max_tokens,
     load_body,
+    max_logprobs_of,
 )
 from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
 
 log = logging.getLogger("lockstep.api")
+SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordinator is told to stop
 _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
 
 
@@ -104,7 +113,7 @@ class OpenAIServer:
     async def _json(self, request: web.Request, endpoint: str, body: dict | None = None) -> dict:
         """The body (read now unless given), its fields checked for `endpoint`, and the model it names."""
         body = load_body(await request.read()) if body is None else body
-        check_fields(body, endpoint)
+        check_fields(body, endpoint, max_logprobs_of(self.frontend))
         if endpoint != "reset_prefix_cache":
             check_model(self.frontend, json_field(body, "model", (str,)))
             check_shadowed_max_tokens(body, self.frontend.max_model_len)
@@ -197,7 +206,8 @@ class OpenAIServer:
         """GET /openapi.json: the OpenAPI 3.1 document of this API, with this model's limits."""
         if self._document is None:
             self._document = openapi_document(self.frontend.model_name, self.frontend.max_model_len,
-                                              self.frontend.tokenizer.vocab_size, lockstep.__version__)
+                                              self.frontend.tokenizer.vocab_size, lockstep.__version__,
+                                              max_logprobs_of(self.frontend))
         return web.json_response(self._document)
 
     async def version(self, request: web.Request) -> web.Response:
@@ -283,9 +293,13 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
     return value
 
 
-async def run_app(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve the app (no access log: /metrics is scraped every few seconds)."""
-    runner = web.AppRunner(app, access_log=None)
+async def run_app(app: web.Application, host: str, port: int,
+                  shutdown_grace: float = SHUTDOWN_GRACE_S) -> web.AppRunner:
+    """Serve the app (no access log: /metrics is scraped every few seconds).
+
+    `runner.cleanup()` stops listening at once, then gives the requests in flight `shutdown_grace`
+    seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -30,7 +30,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # Implemented on both endpoints (generation.py checks their ranges), then each endpoint's own.
 SAMPLING = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
             "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "stream", "stream_options",
-            "return_token_ids", "user")
+            "return_token_ids", "user", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+            "min_tokens")
 IMPLEMENTED = {"completions": ("prompt", "echo", "logprobs", "prompt_logprobs", *SAMPLING),
                "chat": ("messages", "logprobs", "top_logprobs", *SAMPLING),
                "reset_prefix_cache": ("rank",),
@@ -42,8 +43,7 @@ IMPLEMENTED = {"completions": ("prompt", "echo", "logprobs", "prompt_logprobs", 
 
 # Not implemented: accepted only at the value that asks for nothing (or null).
 _NOOP_COMMON: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "min_p": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "min_p": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),  # vLLM's; best_of (completions) likewise only 1: every choice is returned
 }
 NOOP: dict[str, dict[str, tuple]] = {
@@ -101,8 +101,14 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def check_fields(body: Mapping[str, Any], endpoint: str) -> None:
-    """Every field of the body is implemented, or sent at its no-op value; else a 400 naming it."""
+def max_logprobs_of(frontend: object) -> int:
+    """The coordinator's --max-logprobs (a frontend without one: vLLM's default of 20)."""
+    return getattr(frontend, "max_logprobs", MAX_LOGPROBS)
+
+
+def check_fields(body: Mapping[str, Any], endpoint: str, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """Every field of the body is implemented, or sent at its no-op value; else a 400 naming it. `max_logprobs`
+    is the coordinator's --max-logprobs."""
     noop = NOOP[endpoint]
     for name, value in body.items():
         if name in IMPLEMENTED[endpoint]:
@@ -118,17 +124,21 @@ def check_fields(body: Mapping[str, Any], endpoint: str) -> None:
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise ApiError(400, f"'user' must be a string of at most {MAX_USER_CHARS} characters", "user")
     if endpoint in ("completions", "chat"):
-        logprobs_asked(body, endpoint == "chat")  # their rules, before any work (respond reads them again)
+        # their rules, before any work (respond reads them again)
+        logprobs_asked(body, endpoint == "chat", max_logprobs)
+        if endpoint == "completions":
+            prompt_logprobs_asked(body, max_logprobs)
 
 
 def check_shadowed_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
-    """`max_completion_tokens` sent beside `max_tokens` (which wins) still has its documented range, so a
-    bad value is never silently ignored."""
+    """`max_completion_tokens` sent beside `max_tokens` (which wins) still has its documented range (from 0
+    with a completion's echo, as max_tokens), so a bad value is never silently ignored."""
     if body.get("max_tokens") is None:
         return  # then it is the limit, and generation.py checks it as one
     value = json_field(body, "max_completion_tokens", (int,))
-    if value is not None and not 1 <= value < max_model_len:
-        raise ApiError(400, f"'max_completion_tokens' must be between 1 and {max_model_len - 1}",
+    low = 0 if json_field(body, "echo", (bool,), False) else 1
+    if value is not None and not low <= value < max_model_len:
+        raise ApiError(400, f"'max_completion_tokens' must be between {low} and {max_model_len - 1}",
                        "max_completion_tokens")
 
 
@@ -208,30 +218,33 @@ def check_echo(body: Mapping[str, Any]) -> bool:
     return json_field(body, "echo", (bool,), False)
 
 
-def prompt_logprobs_asked(body: Mapping[str, Any]) -> int:
-    """vLLM's `prompt_logprobs` of a completion: 0..20 most likely tokens at each prompt position, with the prompt
-    token's own logprob and rank (null: off, -1)."""
+def _over(name: str, k: int, max_logprobs: int) -> ApiError:
+    return ApiError(400, f"'{name}' must be between 0 and {max_logprobs}, got {str(k)[:40]} (the server's "
+                         "--max-logprobs)", name)
+
+
+def prompt_logprobs_asked(body: Mapping[str, Any], max_logprobs: int = MAX_LOGPROBS) -> int:
+    """vLLM's `prompt_logprobs` of a completion: 0..max_logprobs most likely tokens at each prompt position, with the
+    prompt token's own logprob and rank (null: off, -1)."""
     k = json_field(body, "prompt_logprobs", (int,))
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(400, f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(k)[:40]}",
-                       "prompt_logprobs")
+    if k is not None and not 0 <= k <= max_logprobs:
+        raise _over("prompt_logprobs", k, max_logprobs)
     return -1 if k is None else k
 
 
-def logprobs_asked(body: Mapping[str, Any], chat: bool) -> int:
+def logprobs_asked(body: Mapping[str, Any], chat: bool, max_logprobs: int = MAX_LOGPROBS) -> int:
     """How many top logprobs each generated token carries, -1 for none (vLLM's rules): completions' `logprobs`
-    is 0..20 (null: off); chat's `logprobs: true` turns them on with `top_logprobs` 0..20 alternatives, and
-    `top_logprobs` > 0 without `logprobs: true` is a 400, as it would silently give nothing."""
+    is 0..max_logprobs (null: off); chat's `logprobs: true` turns them on with `top_logprobs` 0..max_logprobs
+    alternatives, and `top_logprobs` > 0 without `logprobs: true` is a 400, as it would silently give nothing."""
     if not chat:
         k = json_field(body, "logprobs", (int,))
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise ApiError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(k)[:40]}", "logprobs")
+        if k is not None and not 0 <= k <= max_logprobs:
+            raise _over("logprobs", k, max_logprobs)
         return -1 if k is None else k
     on = json_field(body, "logprobs", (bool,), False)
     top = json_field(body, "top_logprobs", (int,))
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise ApiError(400, f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {str(top)[:40]}",
-                       "top_logprobs")
+    if top is not None and not 0 <= top <= max_logprobs:
+        raise _over("top_logprobs", top, max_logprobs)
     if top and not on:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if on else -1

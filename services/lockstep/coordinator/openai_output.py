@@ -22,8 +22,21 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from lockstep.coordinator.choices import collect_choices, interleave, open_choices
-from lockstep.coordinator.generation import ApiError, Completion, Frontend, GenerateSpec, TextPiece, json_field
-from lockstep.coordinator.openai_fields import check_echo, logprobs_asked, prompt_logprobs_asked, stream_options
+from lockstep.coordinator.generation import (
+    ApiError,
+    Completion,
+    Frontend,
+    GenerateSpec,
+    TextPiece,
+    json_field,
+)
+from lockstep.coordinator.openai_fields import (
+    check_echo,
+    logprobs_asked,
+    max_logprobs_of,
+    prompt_logprobs_asked,
+    stream_options,
+)
 from lockstep.steps import TokenLogprobs
 from lockstep.tokenizer import Tokenizer
 
@@ -84,13 +97,13 @@ async def respond(request: web.Request, frontend: Frontend, body: dict, spec: Ge
     """Queue the request's n choices (a refusal is an HTTP status, before any output) and answer with them."""
     stream = json_field(body, "stream", (bool,), False)
     include_usage = stream_options(body)
-    k = logprobs_asked(body, shape.chat)
+    k = logprobs_asked(body, shape.chat, max_logprobs_of(frontend))
     if k >= 0:  # the ranks compute them where they sample (SamplingParams.logprobs)
         spec, shape = replace(spec, sampling=replace(spec.sampling, logprobs=k)), replace(shape, logprobs=k)
         if not shape.chat and check_echo(body):  # and the prompt's, where they compute it
             spec = replace(spec, sampling=replace(spec.sampling, prompt_logprobs=k))
             shape = replace(shape, echo_logprobs=True)
-    pk = -1 if shape.chat else prompt_logprobs_asked(body)
+    pk = -1 if shape.chat else prompt_logprobs_asked(body, max_logprobs_of(frontend))
     if pk >= 0:
         spec = replace(spec, sampling=replace(spec.sampling, prompt_logprobs=max(pk, spec.sampling.prompt_logprobs)))
         shape = replace(shape, prompt_logprobs=pk)
@@ -116,7 +129,8 @@ def whole(base: dict, spec: GenerateSpec, done: Sequence[Completion], shape: Sha
             lps = _with_prompt(prompt, render_logprobs(tokenizer, shape, one.token_ids, one.logprobs, offset)[0])
         elif shape.logprobs >= 0:
             lps = render_logprobs(tokenizer, shape, one.token_ids, one.logprobs, len(shape.echo))[0]
-        choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "logprobs": lps}
+        choice: dict[str, Any] = {"index": i, "finish_reason": one.finish_reason, "stop_reason": one.stop_reason,
+                                  "logprobs": lps}
         if shape.chat:
             choice["message"] = {"role": "assistant", "content": one.text}
         else:
@@ -199,6 +213,7 @@ def _stream_choice(index: int, piece: TextPiece, shape: Shape, first: bool) -> d
     else:
         text = shape.echo + piece.text if first else piece.text
         choice = {"index": index, "text": text, "finish_reason": piece.finish_reason, "logprobs": None}
+    choice["stop_reason"] = piece.stop_reason  # vLLM's: null until the chunk that carries the finish reason
     if shape.token_ids:
         choice["token_ids"] = piece.token_ids
     return choice

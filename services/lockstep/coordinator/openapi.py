@@ -38,7 +38,7 @@ def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, NULL]}
 
 
-def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
+def _field_schemas(model: str, max_model_len: int, vocab: int, max_logprobs: int) -> dict[str, dict]:
     """The schema of every implemented field (each also takes null: "not sent")."""
     stop = {"type": "string", "minLength": 1, "maxLength": g.MAX_STOP_CHARS}
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
@@ -60,14 +60,14 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
                      "description": "rendered by the model's chat template; content is text only"},
         "echo": {**BOOL, "description": "put the prompt's text before each choice's text; with logprobs, the prompt's "
                                         "tokens are scored too (the first one's logprob null)"},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": max_logprobs,
                      "description": "each generated token's logprob (of the raw logits) and the k most likely "
                                     "tokens' (top_logprobs also holds the sampled token: up to k + 1)"},
-        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": max_logprobs,
                             "description": "vLLM's: choices[].prompt_logprobs, per prompt position (the first "
                                            "null) the prompt token and the k most likely, by token id: logprob, "
                                            "rank, decoded_token"},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": g.MAX_LOGPROBS,
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": max_logprobs,
                          "description": "the k most likely tokens at each position (needs logprobs: true)"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
                        "description": "default: up to the context length"},
@@ -83,6 +83,21 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
         "stop_token_ids": {"type": "array", "maxItems": g.MAX_STOP_TOKEN_IDS, "items": {
             "type": "integer", "minimum": 0, "maximum": vocab - 1},
             "description": "end at any of these tokens (finish_reason stop); its id is in token_ids, not its text"},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0,
+                               "description": "vLLM's: the logit of a token in the prompt or the output is divided "
+                                              "by it when positive, multiplied when not (1: off)"},
+        "frequency_penalty": {"type": "number", "minimum": -g.PENALTY_MAX, "maximum": g.PENALTY_MAX,
+                              "description": "minus this times the token's count in the output so far"},
+        "presence_penalty": {"type": "number", "minimum": -g.PENALTY_MAX, "maximum": g.PENALTY_MAX,
+                             "description": "minus this for a token already in the output"},
+        "logit_bias": {"type": "object", "maxProperties": g.MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": f"^({_ids_below(vocab)})$"},
+                       "additionalProperties": {"type": "number", "minimum": -g.LOGIT_BIAS_MAX,
+                                                "maximum": g.LOGIT_BIAS_MAX},
+                       "description": "token id (a string) -> bias added to its logit before sampling"},
+        "min_tokens": {"type": "integer", "minimum": 0,
+                       "description": "no stop token or stop string ends the output before this many tokens; "
+                                      "at most max_tokens"},
         "include_stop_str_in_output": {**BOOL, "description": "keep the stop string or stop token in the text"},
         "ignore_eos": {**BOOL, "description": "do not end at the end-of-sequence token"},
         "stream": {**BOOL, "description": "server-sent events, ending with data: [DONE]"},
@@ -97,13 +112,33 @@ def _field_schemas(model: str, max_model_len: int, vocab: int) -> dict[str, dict
     }
 
 
-def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) -> dict:
+def _ids_below(vocab: int) -> str:
+    """A regular expression of the decimal numbers 0 .. vocab - 1 without leading zeros (logit_bias' keys)."""
+    top = str(max(vocab - 1, 0))
+    n = len(top)
+    alts = ["0"] if n > 1 or top == "0" else [f"[0-{top}]"]
+    if n > 1:
+        alts.append(f"[1-9][0-9]{{0,{n - 2}}}")  # every shorter number
+        for i, digit in enumerate(top):
+            low = 1 if i == 0 else 0
+            if int(digit) > low:
+                alts.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{n - i - 1}}}")
+        alts.append(top)
+    return "|".join(alts)
+
+
+def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int,
+                   max_logprobs: int = g.MAX_LOGPROBS) -> dict:
     """The body of an endpoint: its implemented fields and its no-op fields (an enum of the no-op values)."""
-    known = _field_schemas(model, max_model_len, vocab)
+    known = _field_schemas(model, max_model_len, vocab, max_logprobs)
     if endpoint == "tokenize":
         known["prompt"] = {**STR, "description": "the text to tokenize"}
     if endpoint == "chat":
         known["logprobs"] = {**BOOL, "description": "each generated token's logprob (of the raw logits)"}
+    if endpoint == "completions":  # vLLM's echo without generation: max_tokens 0 (with echo: true, see _TOGETHER)
+        for name in ("max_tokens", "max_completion_tokens"):
+            known[name] = {**known[name], "minimum": 0, "description": known[name]["description"] + "; 0 (with echo"
+                           ": true) returns the prompt, scored with logprobs if asked, and generates nothing"}
     props = {name: _nullable(known[name]) for name in IMPLEMENTED[endpoint]}
     for name, values in NOOP[endpoint].items():
         props[name] = {"enum": [None, *values], "description": "not implemented: accepted only at this value"}
@@ -117,10 +152,13 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int) ->
     return schema
 
 
-# What one field allows only with another: top_logprobs > 0 needs logprobs: true (vLLM's rule).
+# What one field allows only with another: top_logprobs > 0 needs logprobs: true (vLLM's rule), and a
+# completion's max_tokens 0 needs echo: true.
 _TOGETHER = {
     "chat": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
              {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}],
+    "completions": [{"properties": {name: {"not": {"const": 0}} for name in ("max_tokens", "max_completion_tokens")}},
+                    {"required": ["echo"], "properties": {"echo": {"const": True}}}],
 }
 
 
@@ -143,6 +181,9 @@ def _schemas() -> dict[str, dict]:
         "prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": INT}}}}
     reason = {"enum": [None, "stop", "length", "abort", "error"]}
+    stop_reason = {"type": ["string", "integer", "null"],
+                   "description": "vLLM's: the stop string or stop token id that ended the choice; null for EOS or "
+                                  "length"}
     ids = {"type": "array", "items": INT}
     message = {"type": "object", "required": ["role", "content"], "properties": {"role": STR, "content": STR}}
     common = {"id": STR, "created": INT, "model": STR, "usage": usage, "prompt_token_ids": ids}
@@ -165,15 +206,16 @@ def _schemas() -> dict[str, dict]:
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "text_completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": INT, "text": STR, "finish_reason": reason, "logprobs": legacy, "token_ids": ids,
+                    "index": INT, "text": STR, "finish_reason": reason, "stop_reason": stop_reason, "logprobs": legacy,
+                    "token_ids": ids,
                     "prompt_logprobs": {"type": "array", "items": {"type": ["object", "null"], "additionalProperties": {
                         "type": "object", "required": ["logprob", "rank", "decoded_token"], "properties": {
                             "logprob": logprob, "rank": INT, "decoded_token": STR}}}}}}}}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
             **common, "object": {"const": "chat.completion"}, "choices": {"type": "array", "items": {
                 "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-                    "index": INT, "message": message, "finish_reason": reason, "logprobs": chat_lps,
-                    "token_ids": ids}}}}},
+                    "index": INT, "message": message, "finish_reason": reason, "stop_reason": stop_reason,
+                    "logprobs": chat_lps, "token_ids": ids}}}}},
         "Models": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
                 "id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR, "max_model_len": INT}}}}},
@@ -208,8 +250,8 @@ def _operation(summary: str, ok: dict, errors: tuple[str, ...], body: dict | Non
     return op
 
 
-def _paths(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
-    body = lambda endpoint: request_schema(endpoint, model, max_model_len, vocab)  # noqa: E731
+def _paths(model: str, max_model_len: int, vocab: int, max_logprobs: int) -> dict[str, dict]:
+    body = lambda endpoint: request_schema(endpoint, model, max_model_len, vocab, max_logprobs)  # noqa: E731
     ref = lambda name: {"$ref": "#/components/schemas/" + name}  # noqa: E731
     gen_errors = ("400", "401", "404", "413", "503")
     events = {"text/event-stream": {"schema": {  # one server-sent event (before OpenAPI 3.2 the schema is per event)
@@ -258,14 +300,16 @@ def _paths(model: str, max_model_len: int, vocab: int) -> dict[str, dict]:
     }
 
 
-def openapi_document(model: str, max_model_len: int, vocab: int, version: str) -> dict:
-    """The whole document for a server of `model` (its context length and tokenizer vocabulary)."""
+def openapi_document(model: str, max_model_len: int, vocab: int, version: str,
+                     max_logprobs: int = g.MAX_LOGPROBS) -> dict:
+    """The whole document for a server of `model` (its context length and tokenizer vocabulary) and of the
+    coordinator's --max-logprobs."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "Lockstep", "version": version,
                  "description": "OpenAI-compatible API of a Lockstep coordinator. A field not listed for an endpoint "
                                 "is a 400 naming it; null means not sent."},
-        "paths": _paths(model, max_model_len, vocab),
+        "paths": _paths(model, max_model_len, vocab, max_logprobs),
         "components": {"schemas": _schemas(), "responses": _responses(),
                        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
     }

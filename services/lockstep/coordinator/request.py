@@ -65,6 +65,17 @@ def _check_sampling(sampling: SamplingParams) -> None:
         raise ValueError(f"seed must be a 64-bit signed int or None, got {sampling.seed!r}")
     if type(sampling.prompt_logprobs) is not int or sampling.prompt_logprobs < -1:
         raise ValueError(f"prompt_logprobs must be -1 (off) or an int >= 0, got {sampling.prompt_logprobs!r}")
+    _check_penalties(sampling)
+
+
+def _check_penalties(sampling: SamplingParams) -> None:
+    if not (math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {sampling.repetition_penalty!r}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= getattr(sampling, name) <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(sampling, name)!r}")
+    if type(sampling.min_tokens) is not int or sampling.min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {sampling.min_tokens!r}")
 
 
 class Request:
@@ -89,9 +100,13 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt
         seed = default_seed(request_id) if sampling.seed is None else sampling.seed
-        self.sampling = replace(sampling, seed=seed)
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(_token_ids("stop_token_ids", stop_token_ids))
+        # the ranks hold the stop ids off while min_tokens are not generated (and only then need them)
+        held = tuple(sorted(self.stop_token_ids)) if sampling.min_tokens > 0 else ()
+        self.sampling = replace(sampling, seed=seed, stop_token_ids=held)
+        # the preemption count at which the ranks got this request's token history (penalties); -1: never
+        self._history_at = -1
         self.generated: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed = 0
@@ -127,19 +142,45 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int = 0, end: int | None = None) -> tuple[int, ...]:
-        """Tokens [start, end) of prompt + generated."""
-        return (self.prompt_token_ids + tuple(self.generated))[start:end]
+        """Tokens [start, end) of prompt + generated, without building the whole sequence (a decode step asks
+        for one token of a context that may be long)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        start, end, _ = slice(start, end).indices(n + len(self.generated))
+        if end <= start:
+            return ()
+        if start >= n:
+            return tuple(self.generated[start - n:end - n])
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + tuple(self.generated[:end - n])
 
     def append(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; returns STOP or LENGTH when it ends the request."""
         if type(token_id) is not int or token_id < 0:
             raise ValueError(f"request {self.request_id}: sampled token {token_id!r} is not a token id")
         self.generated.append(token_id)
-        if token_id in self.stop_token_ids:
+        self._history_at = self.num_preemptions  # a sampled chunk ran: the ranks hold the history it carried
+        # vLLM: no stop token ends a request before min_tokens (the ranks hold them off; this is for a row
+        # where nothing else could be drawn)
+        if token_id in self.stop_token_ids and len(self.generated) >= self.sampling.min_tokens:
             return FinishReason.STOP
         if len(self.generated) >= self.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    def chunk(self, n: int) -> Chunk:
+        """The chunk of the next `n` uncomputed tokens. A penalized request's first sampling chunk since it was
+        (re)admitted carries its tokens before the chunk, from which the ranks count penalties (Chunk.history)."""
+        start = self.num_computed
+        end = start + n
+        k, next_token = self.prompt_scoring(start, end)  # echo's prompt logprobs, where still to compute
+        sample = end == self.num_tokens
+        history = None
+        if sample and self.sampling.needs_history and self._history_at != self.num_preemptions:
+            history = self.token_ids(0, start)
+        return Chunk(self.request_id, self.token_ids(start, end), start, sample, self.sampling, len(self.generated),
+                     k, next_token, history)
 
     @property
     def scoring_prompt(self) -> bool:

@@ -89,6 +89,13 @@ class Route:
     reason: str
     matched_pages: int = 0
 
+    def expected_hit_tokens(self, prompt_tokens: int, page_size: int) -> int:
+        """Prompt tokens the map says the group can skip: its matched pages, short of the last prompt token
+        (a group always computes that one, so a page-aligned prompt never skips its last page). The group's
+        agreement later says how many it really skipped; fewer means the map is stale
+        (`lockstep_routing_expected_hit_tokens_total` against `lockstep_routing_agreed_hit_tokens_total`)."""
+        return min(self.matched_pages, max(0, prompt_tokens - 1) // page_size) * page_size
+
 
 class PrefixRouter:
     """The coordinator's map of which group it sent which prefix, and the decision that reads it.

@@ -3,9 +3,10 @@
 Continuous batching with chunked prefill under a token budget: running requests first, oldest first,
 then waiting requests in arrival order while they fit on every rank.
 With prefix caching a waiting request is probed in one plan and may be admitted in the next with the
-prefix every rank agreed on. A running request that cannot grow on some rank makes the newest running
-requests give way: they are released everywhere and requeued in front, to be recomputed with their
-generated tokens kept.
+prefix every rank agreed on; one whose prompt pages a running request is computing now is passed over, in
+place, until they are committed (prefix_sharing). A running request that cannot grow on some rank makes the
+newest running requests give way: they are released everywhere and requeued in front, to be recomputed
+with their generated tokens kept.
 
 Calling protocol (one group, one thread):
 
@@ -22,10 +23,12 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from lockstep.coordinator.admission import AdmissionControl, Decision
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
 from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
@@ -215,7 +218,7 @@ class Scheduler:
                 self.stats.deferred["pages"] += 1
             else:
                 self._admit_waiting(control, batch, admits, reports[0].step, flush)
-        probes = self._probes(step) if self.prefix_caching else []
+        probes = self._probes(step, batch) if self.prefix_caching else []
         plan = Plan(
             step=step,
             releases=tuple(dict.fromkeys(releases)),
@@ -231,12 +234,6 @@ class Scheduler:
         if last is not None and self._applied != last.step:
             raise ValueError(f"plan {last.step} was not applied: call apply() with its reports first")
         return plan_reports(step, reports, None if last is None else last.step, self.ranks)
-
-    def _chunk(self, req: Request, n: int) -> Chunk:
-        start = req.num_computed
-        k, next_token = req.prompt_scoring(start, start + n)  # echo's prompt logprobs, where still to compute
-        return Chunk(req.request_id, req.token_ids(start, start + n), start, start + n == req.num_tokens,
-                     req.sampling, len(req.generated), k, next_token)
 
     def _schedule_running(self, control: AdmissionControl, batch: dict[str, Chunk], releases: list[str]) -> bool:
         """Give every running request its next chunk while it fits; where one cannot grow, preempt the
@@ -266,7 +263,7 @@ class Scheduler:
         n = control.grow(req.num_computed, req.num_uncomputed)
         if n == 0:
             return False
-        batch[req.request_id] = self._chunk(req, n)
+        batch[req.request_id] = req.chunk(n)
         return True
 
     def _preempt(self, req: Request, releases: list[str], counted: bool = True) -> Event:
@@ -293,12 +290,14 @@ class Scheduler:
         report_step: int,
         flush: bool,
     ) -> None:
-        while self.waiting:
-            req = self.waiting[0]
+        for req in list(self.waiting):  # a request held for a prefix being computed is passed over, in place
             too_large = control.too_large(req.max_positions)
             if too_large:
                 event = self._finish(req, FinishReason.ERROR, f"request {req.request_id} {too_large}")
                 self._events.append(replace(event, retriable=False))
+                continue
+            if min(control.seqs_left, control.tokens_left) > 0 and self._held(req):  # full: none passes it
+                self.stats.deferred[PREFIX_PENDING] += 1
                 continue
             answers: list[ProbeAnswer | None] = []
             agreed = 0
@@ -325,7 +324,7 @@ class Scheduler:
         batch: dict[str, Chunk],
         admits: list[Admit],
     ) -> None:
-        self.waiting.popleft()
+        self.waiting.remove(req)
         self._book.consume(req.request_id, self.ranks)
         if answers:
             for r, a in enumerate(answers):
@@ -340,13 +339,20 @@ class Scheduler:
         req.num_computed = prefix
         self.running.append(req)
         admits.append(Admit(req.request_id, keys))
-        batch[req.request_id] = self._chunk(req, decision.num_tokens)
+        batch[req.request_id] = req.chunk(decision.num_tokens)
 
-    def _probes(self, step: int) -> list[Probe]:
-        """Probe the requests that may be admitted next: the head of the queue, up to the free seats."""
+    def _held(self, req: Request, computed: dict[str, int] | None = None) -> bool:
+        """Whether a running request has still to compute pages of req's prompt, so req waits for their commit."""
+        pages = self._probe_pages(req)
+        return computing_sibling(req, self.running, pages, self.page_size, self.salt, computed) is not None
+
+    def _probes(self, step: int, batch: dict[str, Chunk]) -> list[Probe]:
+        """Probe the requests that may be admitted next: the head of the queue, up to the free seats, passing
+        over those still held once this step has run (their answers would be stale by their admission)."""
+        after = {rid: c.start + len(c.token_ids) for rid, c in batch.items()}
         window = max(1, self.max_num_seqs - len(self.running))
         probes = []
-        for req in list(self.waiting)[:window]:
+        for req in islice((r for r in self.waiting if not self._held(r, after)), window):
             pages = self._probe_pages(req)
             if pages > 0:
                 self._book.ask(req.request_id, step)

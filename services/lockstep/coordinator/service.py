@@ -13,14 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client.metrics import MetricWrapperBase
+
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.group import GroupDown, GroupRunner
+from lockstep.coordinator.group_list import GroupsDiff, diff_groups
 from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
-from lockstep.coordinator.routing import GroupLoad, PrefixRouter, RoutingPolicy
+from lockstep.coordinator.routing import GroupLoad, PrefixRouter, Route, RoutingPolicy
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.page_keys import key_salt, page_keys
 from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
@@ -40,6 +43,7 @@ class _Live:
     arrived: float
     prompt_tokens: int
     last_token_at: float | None = None
+    expected_hit_tokens: int = 0  # what routing expected the group to skip; settled at the first token
 
 
 class RequestEvents:
@@ -83,8 +87,12 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_logprobs = config.max_logprobs
         self.metrics = Metrics()
         self.groups: dict[str, GroupRunner] = {}
+        self.group_addresses: dict[str, tuple[str, ...]] = {}  # what each runner was started with
+        self._regrouping = asyncio.Lock()  # one change of the group list at a time
+        self._leaving: set[str] = set()  # groups being removed: drained for good, never resumed
         self.live: dict[str, _Live] = {}
         self._parked: dict[str, tuple[Request, str]] = {}
         self.group_up_listeners: list[Callable[[str], None]] = []  # e.g. `lockstep serve`'s supervisors
@@ -95,10 +103,47 @@ class Coordinator:
         """Start every group's loop; each connects on its own, so one group that is down never holds
         up the others (and comes back by itself once its ranks are whole again)."""
         for name, addresses in self.config.groups.items():
-            runner = GroupRunner(name, list(addresses), self.metrics, self._dispatch, self._replay, self._group_up,
-                                 self.config.stall_threshold, self.config.dead_rank_timeout, self.config.rank_auth)
-            runner.start(self._make_scheduler)
-            self.groups[name] = runner
+            self._add_group(name, addresses)
+
+    def _add_group(self, name: str, addresses: tuple[str, ...]) -> None:
+        cfg = self.config
+        runner = GroupRunner(name, list(addresses), self.metrics, self._dispatch, self._replay, self._group_up,
+                             cfg.stall_threshold, cfg.dead_rank_timeout, cfg.rank_auth)
+        runner.start(self._make_scheduler)
+        self.groups[name] = runner
+        self.group_addresses[name] = tuple(addresses)
+
+    async def apply_groups(self, listed: dict[str, tuple[str, ...]]) -> GroupsDiff:
+        """Make the running groups the listed ones without a restart (a restart drops every group's requests):
+        new groups start as at start-up; a group no longer listed (or listed at new addresses) first has its
+        requests moved to the other groups, as a drain with migrate does, then stops and leaves /health and
+        /metrics. Returns once done; the changes are applied one after another."""
+        async with self._regrouping:
+            diff = diff_groups(self.group_addresses, listed)
+            for name, addresses in diff.added.items():
+                log.info("group %s added at %s", name, ",".join(addresses))
+                self._add_group(name, addresses)
+            for name in (*diff.removed, *diff.changed):
+                await self._remove_group(name)
+            for name, addresses in diff.changed.items():
+                log.info("group %s back at its new addresses %s", name, ",".join(addresses))
+                self._add_group(name, addresses)
+            return diff
+
+    async def _remove_group(self, name: str) -> None:
+        """Stop routing to the group at once, move what it holds to the serving groups at its next step
+        boundary (parked for `replay_timeout` when none can take it), then stop it and forget its series."""
+        runner = self.groups[name]
+        self._leaving.add(name)
+        log.warning("group %s removed from the group list: moving its %d request(s) to the other groups",
+                    name, runner.load)
+        await runner.drain(migrate=True)  # a group that is down holds nothing: its requests moved already
+        await runner.close()
+        del self.groups[name], self.group_addresses[name]
+        self._leaving.discard(name)
+        self.router.forget(name)
+        forget_group_series(self.metrics, name)
+        log.info("group %s removed", name)
 
     async def wait_ready(self) -> None:
         """Return once at least one group is up."""
@@ -141,11 +186,24 @@ class Coordinator:
         return Rebalancer(self.config.rebalance_policy, self.config.page_size, window, cost, max_len)
 
     def healthy(self) -> bool:
+        """Readiness (/health 200, gRPC SERVING): some group is up, so requests are served now (a group that is
+        down has its requests moved to one that is up). A group that is up but drained counts too: the operator
+        reaches /admin/resume through the same Service, which a not-ready coordinator drops out of, so
+        readiness on `serving` would strand a deployment whose every group it drained."""
         return any(g.up for g in self.groups.values())
 
     def health_detail(self) -> dict:
-        """Per group: up, why not, its step, and whether it is drained (an operator that restarted reads it here)."""
-        return {name: {"up": g.up, "reason": g.down_reason, "step": g.step, "draining": g.draining}
+        """Per group: up, why not, its step, whether it is drained (an operator that restarted reads it here),
+        whether it takes new requests now (`serving`: up and not drained), and `requests_in_flight`: the
+        coordinator's records of requests on it, parked ones included (0 on every group once all ended: soak
+        tests check that no record leaked; a parked request counts on the group it left). The body stays one
+        entry per group, which its readers expect."""
+        in_flight = dict.fromkeys(self.groups, 0)
+        for live in self.live.values():
+            if live.group in in_flight:
+                in_flight[live.group] += 1
+        return {name: {"up": g.up, "reason": g.down_reason, "step": g.step, "draining": g.draining,
+                       "serving": g.serving, "requests_in_flight": in_flight[name]}
                 for name, g in self.groups.items()}
 
     def metrics_text(self) -> bytes:
@@ -176,7 +234,10 @@ class Coordinator:
                 "waited_s": round(time.monotonic() - started, 3)}
 
     def resume(self, group: str) -> dict:
-        """Route new requests to `group` again. KeyError: no such group."""
+        """Route new requests to `group` again. KeyError: no such group (or one leaving the group list, which
+        must take nothing new: it stops once it holds nothing)."""
+        if group in self._leaving:
+            raise KeyError(group)
         runner = self.groups[group]
         runner.draining = False
         if runner.serving:
@@ -222,6 +283,9 @@ class Coordinator:
                 self.metrics.requests_migrated.labels(live.group).inc()
                 self.metrics.routing_decisions.labels(name, "replay").inc()
                 live.group = name
+                live.expected_hit_tokens = 0  # routing expected nothing of this group: no expectation to settle
+                # the new group recomputes the request's tokens so far: a request sharing them should follow
+                self.router.record(self._routing_keys(req.token_ids()), name)
 
     def _park(self, req: Request, reason: str) -> None:
         if req.request_id in self._parked:
@@ -256,11 +320,17 @@ class Coordinator:
             req, reason = parked
             self._fail(req, f"{reason}; no group came back within {self.config.replay_timeout:.0f} s")
 
-    def _pick_group(self, spec: GenerateSpec) -> tuple[GroupRunner, str, list[bytes]]:
-        """The serving group for a new request, why it was chosen, and the prompt's routing page keys (to
+    def _routing_keys(self, tokens: tuple[int, ...] | list[int]) -> list[bytes]:
+        """The routing map's page keys of these tokens (none under the least-loaded policy, which reads none)."""
+        if not self.router.wants_keys:
+            return []
+        return page_keys(tokens[: self.router.policy.max_pages * self.config.page_size], self.config.page_size,
+                         self._routing_salt)
+
+    def _pick_group(self, spec: GenerateSpec) -> tuple[GroupRunner, Route, list[bytes]]:
+        """The serving group for a new request, the routing decision, and the prompt's routing page keys (to
         record once the group took the request): coordinator/routing.py decides, from load and prefixes."""
-        keys = (page_keys(spec.prompt_ids[: self.router.policy.max_pages * self.config.page_size],
-                          self.config.page_size, self._routing_salt) if self.router.wants_keys else [])
+        keys = self._routing_keys(spec.prompt_ids)
         need = len(spec.prompt_ids) + (spec.max_tokens - 1 if spec.max_tokens_given else 0)
         loads = [GroupLoad(name, g.load, g.serving, g.capacity_tokens) for name, g in self.groups.items()]
         route = self.router.choose(keys, loads, len(spec.prompt_ids), need)
@@ -269,7 +339,7 @@ class Coordinator:
                                 for g in self.groups.values()) or "no group is up"
             raise ApiError(503, f"no group can serve now ({reasons}); retry later", code="group_unavailable",
                            err_type="service_unavailable")
-        return self.groups[route.group], route.reason, keys
+        return self.groups[route.group], route, keys
 
     def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
@@ -282,7 +352,7 @@ class Coordinator:
             raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting already "
                                 f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
                            code="server_overloaded", err_type="service_unavailable")
-        group, reason, keys = self._pick_group(spec)
+        group, route, keys = self._pick_group(spec)
         max_tokens = spec.max_tokens
         if not spec.max_tokens_given and group.capacity_tokens:  # "up to the context" means what fits
             max_tokens = max(1, min(max_tokens, group.capacity_tokens - len(spec.prompt_ids)))
@@ -294,14 +364,18 @@ class Coordinator:
         if too_large:  # known before any token: a status, not an error inside a stream
             raise ApiError(400, too_large, "max_tokens", "request_too_large")
         group.submit(request)
-        self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids))
-        self.metrics.routing_decisions.labels(group.name, reason).inc()
+        expected = 0 if request.scoring_prompt or not self.config.prefix_caching else \
+            route.expected_hit_tokens(len(spec.prompt_ids), self.config.page_size)
+        self.live[request_id] = _Live(request, group.name, asyncio.Queue(), time.monotonic(), len(spec.prompt_ids),
+                                      expected_hit_tokens=expected)
+        self.metrics.routing_decisions.labels(group.name, route.reason).inc()
         self.router.record(keys, group.name)
         return RequestEvents(self, request_id)
 
     def _end(self, request_id: str, finished: bool) -> None:
         """The client's side of a request is over: forget it, and abort it unless it finished."""
         live = self.live.pop(request_id, None)
+        self._parked.pop(request_id, None)  # no group is to take it up any more: no record of it stays
         runner = self.groups.get(live.group) if live is not None else None
         if not finished and runner is not None:
             runner.abort(request_id)
@@ -316,6 +390,7 @@ class Coordinator:
                 cached = live.request.cached_tokens
                 if live.last_token_at is None:
                     self.metrics.ttft.labels(group).observe(now - live.arrived)
+                    self._settle_expectation(group, live)
                 else:
                     self.metrics.itl.labels(group).observe(now - live.last_token_at)
                 live.last_token_at = now
@@ -332,6 +407,30 @@ class Coordinator:
                 self.metrics.request_duration.labels(group).observe(now - live.arrived)
                 self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
 
+    def _settle_expectation(self, group: str, live: _Live) -> None:
+        """At a request's first token its cached tokens are what its group's ranks agreed on at its first
+        admission (the minimum over the ranks): counted against what routing expected, so that an operator
+        sees the routing map go stale (a group's ranks evicted, or lost, what the map says they hold)."""
+        expected, live.expected_hit_tokens = live.expected_hit_tokens, 0
+        if expected > 0:
+            self.metrics.routing_expected_hit_tokens.labels(group).inc(expected)
+            self.metrics.routing_agreed_hit_tokens.labels(group).inc(min(expected, live.request.cached_tokens))
+
     async def close(self) -> None:
         for g in self.groups.values():
             await g.close()
+
+
+def forget_group_series(metrics: Metrics, group: str) -> None:
+    """Drop every series labelled with a removed group, so /metrics and the dashboards stop showing it (its
+    counters' history stays in Prometheus). A histogram's `le` label is not one of its label values."""
+    for metric in vars(metrics).values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        seen: set[tuple[str, ...]] = set()
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.labels.get("group") == group:
+                    seen.add(tuple(v for k, v in sample.labels.items() if k != "le"))
+        for values in seen:
+            metric.remove(*values)

@@ -46,6 +46,7 @@ class RankConfig:
     threads: int
     auth: RankServerAuth = field(default_factory=RankServerAuth)  # the group token and TLS of the gRPC port
     collective_timeout: float = 60.0
+    health_port: int | None = None  # a plaintext port with grpc.health.v1 alone, for probes that cannot do TLS
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, rank=self.rank, world_size=self.world_size, rendezvous=self.rendezvous,
@@ -88,6 +89,9 @@ SETTINGS = (
     Setting("collective_timeout", "--collective-timeout", "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS", number, 60.0,
             "seconds after which a collective whose peer never comes fails, and the rank exits to have its "
             "group recreated", within(0, 86400, low_open=True)),
+    Setting("health_port", "--health-port", "LOCKSTEP_HEALTH_PORT", integer, None,
+            "also serve grpc.health.v1 alone, in plaintext, on this port (for the kubelet's gRPC probes, which "
+            "cannot speak TLS, when --tls-cert is set); RankService stays on --port only", within(0, 65535)),
 )
 
 
@@ -131,6 +135,8 @@ def parse_args(
         p.error(f"rank {values['rank']} is outside a group of {world_size} ranks (0..{world_size - 1})")
     if values["threads"] is None:
         values["threads"] = max(1, _cores() // world_size)
+    if values["health_port"] is not None and values["health_port"] == values["port"] != 0:
+        p.error(f"--health-port (LOCKSTEP_HEALTH_PORT) must differ from --port, both are {values['port']}")
     return RankConfig(**values)
 
 
@@ -164,12 +170,14 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         stop.set()
 
     servicer = RankServicer(cfg.rank, on_fatal=on_fatal)
-    address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-    server = RankServer(servicer, address, auth=cfg.auth)
+    server = RankServer(servicer, _address(cfg.host, cfg.port), auth=cfg.auth,
+                        health_address=None if cfg.health_port is None else _address(cfg.host, cfg.health_port))
     server.start()
-    log.info("rank %d/%d: gRPC%s on %s:%d (group token %s), loading %s", cfg.rank, cfg.world_size,
+    log.info("rank %d/%d: gRPC%s on %s:%d (group token %s)%s, loading %s", cfg.rank, cfg.world_size,
              " over TLS" if cfg.auth.tls_cert else "", cfg.host, server.port,
-             "required" if cfg.auth.token else "NOT required", cfg.model)
+             "required" if cfg.auth.token else "NOT required",
+             "" if server.health_port is None else f", plaintext health checks on port {server.health_port}",
+             cfg.model)
     try:
         try:
             engine = engine_factory(cfg)
@@ -192,6 +200,10 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("rank %d: stopped after step %d", cfg.rank, servicer.last_step)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,9 @@ protocol's delivery rules live:
   the last report and never executed twice: executing it twice would pin its prefixes twice
   (the step order and the answer to a repeat are `steps.StepGate`'s, which LocalGroup keeps too);
 - an engine exception becomes `Report.error` and the stream goes on; the coordinator decides;
-- a newer Step stream supersedes the older one, which ends ABORTED after the step it is in.
+- a newer Step stream supersedes the older one, which ends ABORTED after the step it is in; no plan of the
+  older stream starts once the newer one is acknowledged (its initial metadata), so a coordinator that
+  opens its streams, waits for that and then reads `Info.last_step` plans from a step no old plan moves;
 - with a group token (`rank_auth`), a call without it is refused UNAUTHENTICATED before it gets here, so
   only the token's holder can supersede the coordinator's stream; the health check stays open.
 """
@@ -48,6 +50,13 @@ class StepEngine(Protocol):
     def step(self, plan: Plan) -> Report: ...
 
     def info(self) -> RankInfo: ...
+
+
+STREAM_METADATA = (("x-lockstep-stream", "current"),)  # sent once this stream owns the rank
+
+
+class _Superseded(Exception):
+    """A plan of a stream that a newer one superseded before the plan could start."""
 
 
 class _Stream:
@@ -97,9 +106,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     def last_step(self) -> int:
         """The last step carried out or being carried out now, -1 before the first: a coordinator that
         (re)connects plans the step after it, never a step the rank is already running."""
-        if self._in_flight is not None:
-            return self._in_flight
-        return self._gate.last_step
+        with self._streams_lock:  # a plan either started before a newer stream took over, or never starts
+            if self._in_flight is not None:
+                return self._in_flight
+            return self._gate.last_step
 
     def close(self) -> None:
         """End every stream after the step it is in, and refuse new ones: the rank is going away."""
@@ -116,16 +126,22 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         with self._execute_lock:
             return self._execute(plan)
 
-    def _execute(self, plan: Plan) -> Report:
+    def _execute(self, plan: Plan, stream: _Stream | None = None) -> Report:
         try:
-            return self._gate.deliver(plan, self._run, self._refuse)
+            return self._gate.deliver(plan, lambda p: self._run(p, stream), self._refuse)
         finally:
             self._in_flight = None  # only once the gate holds the plan as the last one carried out
 
-    def _run(self, plan: Plan) -> Report:
-        """The engine's step; an exception becomes the report's error. The report carries this call's time."""
+    def _run(self, plan: Plan, stream: _Stream | None = None) -> Report:
+        """The engine's step; an exception becomes the report's error. The report carries this call's time.
+
+        Whether `stream` is still current and the step's start are one atomic move under the streams lock:
+        `last_step` (read under it) then either counts this plan or a newer stream has made sure it never runs."""
         t0 = time.perf_counter()
-        self._in_flight = plan.step
+        with self._streams_lock:
+            if stream is not None and stream.end is not None:
+                raise _Superseded()
+            self._in_flight = plan.step
         try:
             report = self._engine.step(plan)
             if report.step != plan.step or report.rank != self.rank:
@@ -162,9 +178,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
             old, self._current = self._current, stream
+            if old is not None:  # under the lock: no plan of the old stream starts after this
+                old.stop(grpc.StatusCode.ABORTED, "superseded by a newer Step stream to this rank")
         if old is not None:
             log.warning("rank %d: a new Step stream supersedes the old one", self.rank)
-            old.stop(grpc.StatusCode.ABORTED, "superseded by a newer Step stream to this rank")
+        context.send_initial_metadata(STREAM_METADATA)
         return stream
 
     def Step(
@@ -188,7 +206,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             with self._execute_lock:
                 if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
                     context.abort(*stream.end)
-                report = self._execute(plan)
+                try:
+                    report = self._execute(plan, stream)
+                except _Superseded:
+                    context.abort(*stream.end)
             yield report_to_proto(report)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.RankInfo:
@@ -204,13 +225,16 @@ class RankServer:
     """The rank's gRPC server: RankService plus grpc.health.v1, NOT_SERVING until `set_serving(True)`.
 
     `auth` asks callers for the group token and serves TLS when it has a certificate; without a token the
-    rank serves whoever reaches its port, and says so in its log."""
+    rank serves whoever reaches its port, and says so in its log. `health_address`, when given, is a second,
+    plaintext port with grpc.health.v1 alone (the same statuses): the kubelet's gRPC probes cannot speak TLS,
+    and a port without RankService gives nothing away."""
 
     def __init__(self, servicer: RankServicer, address: str, max_workers: int = 8,
-                 auth: RankServerAuth | None = None) -> None:
+                 auth: RankServerAuth | None = None, health_address: str | None = None) -> None:
         auth = auth or RankServerAuth()
         self.servicer = servicer
         self.health = health.HealthServicer()
+        self.health_server, self.health_port = _health_server(self.health, health_address)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
@@ -233,6 +257,8 @@ class RankServer:
 
     def start(self) -> None:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -246,3 +272,20 @@ class RankServer:
         self.set_serving(False)
         self.servicer.close()
         self.server.stop(grace).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
+
+
+def _health_server(servicer: health.HealthServicer, address: str | None) -> tuple[grpc.Server | None, int | None]:
+    """A plaintext server with `servicer` alone bound to `address` (None: no such server), and its port."""
+    if address is None:
+        return None, None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rank-health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot bind the rank's health port to {address}: {e}") from e
+    if port == 0:
+        raise OSError(f"cannot bind the rank's health port to {address}")
+    return server, port

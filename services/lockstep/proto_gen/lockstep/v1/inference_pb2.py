@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blockstep/v1/inference.proto\x12\x0blockstep.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xf0\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.lockstep.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x03H\x06\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"Y\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.lockstep.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.lockstep.v1.TokenLogprobs2\xa6\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1blockstep/v1/inference.proto\x12\x0blockstep.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9f\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.lockstep.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x10return_token_ids\x18\n \x01(\x08\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x03H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x03H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.lockstep.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\x0b\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x03\x12\x17\n\nignore_eos\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\r\n\x0b_ignore_eos\"g\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\x12\x0c\n\x04rank\x18\x05 \x01(\x03\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.lockstep.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.lockstep.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.lockstep.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\x03H\x00\x42\r\n\x0bstop_reason2\xa6\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.lockstep.v1.GenerateRequest\x1a\x1d.lockstep.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lockstep.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_GENERATEREQUEST']._serialized_start=70
-  _globals['_GENERATEREQUEST']._serialized_end=438
-  _globals['_TOKENLOGPROBS']._serialized_start=440
-  _globals['_TOKENLOGPROBS']._serialized_end=529
-  _globals['_USAGE']._serialized_start=531
-  _globals['_USAGE']._serialized_end=633
-  _globals['_GENERATERESPONSE']._serialized_start=636
-  _globals['_GENERATERESPONSE']._serialized_end=837
-  _globals['_INFERENCESERVICE']._serialized_start=840
-  _globals['_INFERENCESERVICE']._serialized_end=1006
+  _globals['_GENERATEREQUEST']._serialized_end=869
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=622
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=670
+  _globals['_TOKENLOGPROBS']._serialized_start=871
+  _globals['_TOKENLOGPROBS']._serialized_end=974
+  _globals['_USAGE']._serialized_start=976
+  _globals['_USAGE']._serialized_end=1078
+  _globals['_GENERATERESPONSE']._serialized_start=1081
+  _globals['_GENERATERESPONSE']._serialized_end=1398
+  _globals['_INFERENCESERVICE']._serialized_start=1401
+  _globals['_INFERENCESERVICE']._serialized_end=1567
 # @@protoc_insertion_point(module_scope)

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lockstep/v1/rank.proto\x12\x0blockstep.v1\"\xb8\x01\n\x11SamplingParamsMsg\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x03\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\x03H\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"3\n\x08\x41\x64mitMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\"\xf8\x01\n\x08\x43hunkMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x14\n\x0csample_index\x18\x06 \x01(\x03\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\rnext_token_id\x18\x08 \x01(\x03H\x01\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x10\n\x0e_next_token_id\",\n\x08ProbeMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\xb5\x03\n\x07PlanMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08releases\x18\x02 \x03(\t\x12%\n\x06\x61\x64mits\x18\x03 \x03(\x0b\x32\x15.lockstep.v1.AdmitMsg\x12$\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x15.lockstep.v1.ChunkMsg\x12%\n\x06probes\x18\x05 \x03(\x0b\x32\x15.lockstep.v1.ProbeMsg\x12\x1a\n\x12\x66lush_prefix_cache\x18\x06 \x01(\x08\x12\x13\n\x0brelease_all\x18\x07 \x01(\x08\x12\x0f\n\x07\x61\x62stain\x18\x08 \x01(\x08\x12\x37\n\npool_split\x18\t \x03(\x0b\x32#.lockstep.v1.PlanMsg.PoolSplitEntry\x12\x37\n\npool_fence\x18\n \x03(\x0b\x32#.lockstep.v1.PlanMsg.PoolFenceEntry\x1a\x30\n\x0ePoolSplitEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0ePoolFenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x7f\n\x0eProbeAnswerMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rmatched_pages\x18\x02 \x01(\x03\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\x03\x12\x14\n\x0csliding_runs\x18\x04 \x03(\x03\x12\x16\n\x0esliding_pinned\x18\x05 \x01(\x03\"\x8b\x01\n\x0cPoolStateMsg\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x0c\n\x04used\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x03\x12\x0f\n\x07movable\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x08 \x01(\x03\"{\n\nSampledMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x04 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\x42\n\n\x08_logprob\"\x92\x01\n\x11PromptLogprobsMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x12\n\ntop_counts\x18\x04 \x03(\x03\x12\x0f\n\x07top_ids\x18\x05 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x01\x12\r\n\x05ranks\x18\x07 \x03(\x03\"\xd6\x02\n\tReportMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.lockstep.v1.SampledMsg\x12+\n\x06probes\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.ProbeAnswerMsg\x12(\n\x05pools\x18\x05 \x03(\x0b\x32\x19.lockstep.v1.PoolStateMsg\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x34\n\x07timings\x18\x07 \x03(\x0b\x32#.lockstep.v1.ReportMsg.TimingsEntry\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.lockstep.v1.PromptLogprobsMsg\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\x8f\x03\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12:\n\x0bpool_totals\x18\x05 \x03(\x0b\x32%.lockstep.v1.RankInfo.PoolTotalsEntry\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x11\n\tlast_step\x18\x08 \x01(\x03\x12\x16\n\x0esliding_window\x18\t \x01(\x03\x12\x41\n\x0fpool_page_bytes\x18\n \x03(\x0b\x32(.lockstep.v1.RankInfo.PoolPageBytesEntry\x1a\x31\n\x0fPoolTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12PoolPageBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x80\x01\n\x0bRankService\x12\x38\n\x04Step\x12\x14.lockstep.v1.PlanMsg\x1a\x16.lockstep.v1.ReportMsg(\x01\x30\x01\x12\x37\n\x04Info\x12\x18.lockstep.v1.InfoRequest\x1a\x15.lockstep.v1.RankInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lockstep/v1/rank.proto\x12\x0blockstep.v1\"\xc6\x03\n\x11SamplingParamsMsg\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x03\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x41\n\nlogit_bias\x18\n \x03(\x0b\x32-.lockstep.v1.SamplingParamsMsg.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"!\n\x0cTokenHistory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"3\n\x08\x41\x64mitMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprefix_keys\x18\x02 \x03(\x0c\"\xa4\x02\n\x08\x43hunkMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x14\n\x0csample_index\x18\x06 \x01(\x03\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\rnext_token_id\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12*\n\x07history\x18\t \x01(\x0b\x32\x19.lockstep.v1.TokenHistoryB\x12\n\x10_prompt_logprobsB\x10\n\x0e_next_token_id\",\n\x08ProbeMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\xb5\x03\n\x07PlanMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08releases\x18\x02 \x03(\t\x12%\n\x06\x61\x64mits\x18\x03 \x03(\x0b\x32\x15.lockstep.v1.AdmitMsg\x12$\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x15.lockstep.v1.ChunkMsg\x12%\n\x06probes\x18\x05 \x03(\x0b\x32\x15.lockstep.v1.ProbeMsg\x12\x1a\n\x12\x66lush_prefix_cache\x18\x06 \x01(\x08\x12\x13\n\x0brelease_all\x18\x07 \x01(\x08\x12\x0f\n\x07\x61\x62stain\x18\x08 \x01(\x08\x12\x37\n\npool_split\x18\t \x03(\x0b\x32#.lockstep.v1.PlanMsg.PoolSplitEntry\x12\x37\n\npool_fence\x18\n \x03(\x0b\x32#.lockstep.v1.PlanMsg.PoolFenceEntry\x1a\x30\n\x0ePoolSplitEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0ePoolFenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x7f\n\x0eProbeAnswerMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rmatched_pages\x18\x02 \x01(\x03\x12\x14\n\x0cpinned_pages\x18\x03 \x01(\x03\x12\x14\n\x0csliding_runs\x18\x04 \x03(\x03\x12\x16\n\x0esliding_pinned\x18\x05 \x01(\x03\"\x8b\x01\n\x0cPoolStateMsg\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x0c\n\x04used\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x03\x12\x0f\n\x07movable\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x65nced\x18\x08 \x01(\x03\"{\n\nSampledMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x04 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\x42\n\n\x08_logprob\"\x92\x01\n\x11PromptLogprobsMsg\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x01\x12\x12\n\ntop_counts\x18\x04 \x03(\x03\x12\x0f\n\x07top_ids\x18\x05 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x01\x12\r\n\x05ranks\x18\x07 \x03(\x03\"\xd6\x02\n\tReportMsg\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x03\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.lockstep.v1.SampledMsg\x12+\n\x06probes\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.ProbeAnswerMsg\x12(\n\x05pools\x18\x05 \x03(\x0b\x32\x19.lockstep.v1.PoolStateMsg\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x34\n\x07timings\x18\x07 \x03(\x0b\x32#.lockstep.v1.ReportMsg.TimingsEntry\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.lockstep.v1.PromptLogprobsMsg\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\x8f\x03\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12:\n\x0bpool_totals\x18\x05 \x03(\x0b\x32%.lockstep.v1.RankInfo.PoolTotalsEntry\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x11\n\tlast_step\x18\x08 \x01(\x03\x12\x16\n\x0esliding_window\x18\t \x01(\x03\x12\x41\n\x0fpool_page_bytes\x18\n \x03(\x0b\x32(.lockstep.v1.RankInfo.PoolPageBytesEntry\x1a\x31\n\x0fPoolTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12PoolPageBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x80\x01\n\x0bRankService\x12\x38\n\x04Step\x12\x14.lockstep.v1.PlanMsg\x1a\x16.lockstep.v1.ReportMsg(\x01\x30\x01\x12\x37\n\x04Info\x12\x18.lockstep.v1.InfoRequest\x1a\x15.lockstep.v1.RankInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lockstep.v1.rank_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMSMSG_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMSMSG_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_PLANMSG_POOLSPLITENTRY']._loaded_options = None
   _globals['_PLANMSG_POOLSPLITENTRY']._serialized_options = b'8\001'
   _globals['_PLANMSG_POOLFENCEENTRY']._loaded_options = None
@@ -42,39 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKINFO_POOLPAGEBYTESENTRY']._loaded_options = None
   _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMSMSG']._serialized_start=40
-  _globals['_SAMPLINGPARAMSMSG']._serialized_end=224
-  _globals['_ADMITMSG']._serialized_start=226
-  _globals['_ADMITMSG']._serialized_end=277
-  _globals['_CHUNKMSG']._serialized_start=280
-  _globals['_CHUNKMSG']._serialized_end=528
-  _globals['_PROBEMSG']._serialized_start=530
-  _globals['_PROBEMSG']._serialized_end=574
-  _globals['_PLANMSG']._serialized_start=577
-  _globals['_PLANMSG']._serialized_end=1014
-  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_start=916
-  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_end=964
-  _globals['_PLANMSG_POOLFENCEENTRY']._serialized_start=966
-  _globals['_PLANMSG_POOLFENCEENTRY']._serialized_end=1014
-  _globals['_PROBEANSWERMSG']._serialized_start=1016
-  _globals['_PROBEANSWERMSG']._serialized_end=1143
-  _globals['_POOLSTATEMSG']._serialized_start=1146
-  _globals['_POOLSTATEMSG']._serialized_end=1285
-  _globals['_SAMPLEDMSG']._serialized_start=1287
-  _globals['_SAMPLEDMSG']._serialized_end=1410
-  _globals['_PROMPTLOGPROBSMSG']._serialized_start=1413
-  _globals['_PROMPTLOGPROBSMSG']._serialized_end=1559
-  _globals['_REPORTMSG']._serialized_start=1562
-  _globals['_REPORTMSG']._serialized_end=1904
-  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_start=1858
-  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_end=1904
-  _globals['_INFOREQUEST']._serialized_start=1906
-  _globals['_INFOREQUEST']._serialized_end=1919
-  _globals['_RANKINFO']._serialized_start=1922
-  _globals['_RANKINFO']._serialized_end=2321
-  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_start=2218
-  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_end=2267
-  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_start=2269
-  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_end=2321
-  _globals['_RANKSERVICE']._serialized_start=2324
-  _globals['_RANKSERVICE']._serialized_end=2452
+  _globals['_SAMPLINGPARAMSMSG']._serialized_end=494
+  _globals['_SAMPLINGPARAMSMSG_LOGITBIASENTRY']._serialized_start=381
+  _globals['_SAMPLINGPARAMSMSG_LOGITBIASENTRY']._serialized_end=429
+  _globals['_TOKENHISTORY']._serialized_start=496
+  _globals['_TOKENHISTORY']._serialized_end=529
+  _globals['_ADMITMSG']._serialized_start=531
+  _globals['_ADMITMSG']._serialized_end=582
+  _globals['_CHUNKMSG']._serialized_start=585
+  _globals['_CHUNKMSG']._serialized_end=877
+  _globals['_PROBEMSG']._serialized_start=879
+  _globals['_PROBEMSG']._serialized_end=923
+  _globals['_PLANMSG']._serialized_start=926
+  _globals['_PLANMSG']._serialized_end=1363
+  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_start=1265
+  _globals['_PLANMSG_POOLSPLITENTRY']._serialized_end=1313
+  _globals['_PLANMSG_POOLFENCEENTRY']._serialized_start=1315
+  _globals['_PLANMSG_POOLFENCEENTRY']._serialized_end=1363
+  _globals['_PROBEANSWERMSG']._serialized_start=1365
+  _globals['_PROBEANSWERMSG']._serialized_end=1492
+  _globals['_POOLSTATEMSG']._serialized_start=1495
+  _globals['_POOLSTATEMSG']._serialized_end=1634
+  _globals['_SAMPLEDMSG']._serialized_start=1636
+  _globals['_SAMPLEDMSG']._serialized_end=1759
+  _globals['_PROMPTLOGPROBSMSG']._serialized_start=1762
+  _globals['_PROMPTLOGPROBSMSG']._serialized_end=1908
+  _globals['_REPORTMSG']._serialized_start=1911
+  _globals['_REPORTMSG']._serialized_end=2253
+  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_start=2207
+  _globals['_REPORTMSG_TIMINGSENTRY']._serialized_end=2253
+  _globals['_INFOREQUEST']._serialized_start=2255
+  _globals['_INFOREQUEST']._serialized_end=2268
+  _globals['_RANKINFO']._serialized_start=2271
+  _globals['_RANKINFO']._serialized_end=2670
+  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_start=2567
+  _globals['_RANKINFO_POOLTOTALSENTRY']._serialized_end=2616
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_start=2618
+  _globals['_RANKINFO_POOLPAGEBYTESENTRY']._serialized_end=2670
+  _globals['_RANKSERVICE']._serialized_start=2673
+  _globals['_RANKSERVICE']._serialized_end=2801
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,176 @@
+"""A rank process for the control-plane benchmark: the real rank service around an engine with no model.
+
+    python -m lockstep.bench.control_plane_rank --rank 0 --world-size 2 --port 50051 --stats rank0.json
+
+It is `lockstep rank` (`rank.main.run`: the real RankServer, RankServicer and StepGate) with one thing
+swapped: `NoopForwardEngine`, whose forward returns a token per sampling chunk without running a model.
+Everything else a GPU rank does on the host per step is real: the plan's deserialization, the RankCache's
+releases, pins, allocations, commits and probe answers, the group's agreement all-reduce (over gloo at TP > 1
+unless `--no-agreement`), the per-draw seed, the report and its serialization. So the step time the
+coordinator sees is the control plane's own, which on a GPU sits next to a forward of a few milliseconds.
+
+This is a benchmark mode only: neither `lockstep rank` nor `lockstep serve` can select this engine, and a
+rank started here says so in its log. On exit it writes its own per-step times (deserializing the plan,
+serializing the report: the rank service does not record them) and its final RankCache state to `--stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep.engine import Engine, sample_seed
+from lockstep.kv.allocator import PagePool
+from lockstep.kv.page_keys import key_salt
+from lockstep.kv.paging import POOL_FULL
+from lockstep.kv.rank_cache import RankCache
+from lockstep.model.config import ModelConfig
+from lockstep.model.kv_cache import KVCache
+from lockstep.parallel.comm import Comm, init_comm, single_comm
+from lockstep.rank import service
+from lockstep.rank.main import RankConfig, run
+from lockstep.steps import Chunk, PromptLogprobs, Sampled
+
+log = logging.getLogger("lockstep.bench.control_plane_rank")
+
+MODEL_ID = "noop-forward"
+FIRST_TOKEN = 3  # ids below are the usual special tokens (bos, eos, unk): never sampled, so no request stops early
+
+
+def noop_model_config(world_size: int, vocab_size: int, max_model_len: int) -> ModelConfig:
+    """A one-layer, one-wide "model" whose KV pages take a few bytes: what `Engine.__init__` and `info` read
+    (positions, vocabulary, pool layout), with nothing to load or run."""
+    return ModelConfig(architecture="LlamaForCausalLM", hidden_size=world_size, num_layers=1, num_heads=world_size,
+                       num_kv_heads=world_size, head_dim=1, intermediate_size=world_size, vocab_size=vocab_size,
+                       layer_types=("full_attention",), max_position_embeddings=max_model_len)
+
+
+class NoopForwardEngine(Engine):
+    """The serving `Engine` (its `__init__` and `step`: prepare, agreement, forward, advance, finish) with a forward
+    that runs no model.
+
+    Subclassing keeps the step protocol's host-side order exactly the serving engine's; only `_run`, the
+    forward and sampling, is replaced by a token per sampling chunk, drawn from the chunk's per-draw seed
+    (`sample_seed`, as the real sampler seeds it) so every rank returns the same id and none is EOS.
+    `agreement=False` skips the group's all-reduce, to tell its cost from the rest at TP > 1.
+    """
+
+    def __init__(self, kv: KVCache, cache: RankCache, comm: Comm, config: ModelConfig, agreement: bool = True) -> None:
+        super().__init__(None, kv, cache, comm, config, MODEL_ID)  # type: ignore[arg-type]  # no model: `_run` needs none
+        self.agreement = agreement
+
+    @classmethod
+    def build(cls, rank: int, world_size: int, rendezvous: str, page_size: int, kv_pages: int, vocab_size: int,
+              max_model_len: int, prefix_caching: bool = True, agreement: bool = True) -> NoopForwardEngine:
+        """One full-attention pool of `kv_pages` pages; a gloo group at TP > 1 only when the agreement runs."""
+        if world_size == 1:
+            comm = single_comm()
+        elif agreement:
+            comm = init_comm(rank, world_size, rendezvous, "cpu", collective_timeout_s=60.0)
+        else:
+            comm = Comm(rank, world_size)  # never reduces: `_group_refuses` is local without the agreement
+        config = noop_model_config(world_size, vocab_size, max_model_len)
+        kv = KVCache.create(config, world_size, kv_pages, page_size, torch.float16, "cpu")
+        cache = RankCache({POOL_FULL: PagePool(POOL_FULL, kv_pages)}, page_size, key_salt(MODEL_ID, page_size),
+                          max_model_len, prefix_caching, rank)
+        return cls(kv, cache, comm, config, agreement)
+
+    def _group_refuses(self, step: int, error: str) -> bool:
+        return super()._group_refuses(step, error) if self.agreement else bool(error)
+
+    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+        span = self.config.vocab_size - FIRST_TOKEN
+        sampled = tuple(
+            Sampled(c.request_id, FIRST_TOKEN + sample_seed(c.request_id, c.sampling.seed, c.sample_index) % span)
+            for c in batch if c.sample)
+        for chunk in batch:
+            self.cache.advance(chunk)
+        return sampled, ()
+
+
+class WireTimes:
+    """The rank service's plan deserialization and report serialization, timed per step in this process only.
+
+    The rank service records the engine's time and its own (`Timings`), not the protobuf conversions around
+    them; wrapping the two names it calls, here, measures them without touching the serving code."""
+
+    def __init__(self) -> None:
+        self.plan_s: dict[int, float] = {}
+        self.report_s: dict[int, float] = {}
+
+    def install(self) -> None:
+        service.plan_from_proto = self._timed(service.plan_from_proto, self.plan_s)
+        service.report_to_proto = self._timed(service.report_to_proto, self.report_s, by_argument=True)
+
+    @staticmethod
+    def _timed(fn: Callable[[Any], Any], into: dict[int, float], by_argument: bool = False) -> Callable[[Any], Any]:
+        def timed(obj: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(obj)
+            into[(obj if by_argument else out).step] = time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lockstep.bench.control_plane_rank",
+                                description="A benchmark rank: the real rank service around a no-op forward.")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--rendezvous", default="127.0.0.1:29500", help="host:port of rank 0's gloo store (TP > 1)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-pages", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-agreement", action="store_true", help="skip the agreement all-reduce (TP > 1)")
+    p.add_argument("--stats", type=Path, required=True, help="write the per-step wire times and final state here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    cfg = RankConfig(rank=args.rank, world_size=args.world_size, rendezvous=args.rendezvous, host="127.0.0.1",
+                     port=args.port, model=MODEL_ID, page_size=args.page_size, kv_pages=args.kv_pages,
+                     kv_memory_fraction=None, prefix_caching=not args.no_prefix_caching, threads=1)
+    engines: list[NoopForwardEngine] = []
+
+    def factory(c: RankConfig) -> NoopForwardEngine:
+        log.warning("rank %d: BENCHMARK MODE: no model, a no-op forward (agreement %s)", c.rank,
+                    "off" if args.no_agreement else "on")
+        engines.append(NoopForwardEngine.build(c.rank, c.world_size, c.rendezvous, c.page_size, c.kv_pages,
+                                               args.vocab_size, args.max_model_len, c.prefix_caching,
+                                               not args.no_agreement))
+        return engines[0]
+
+    wire_times = WireTimes()
+    wire_times.install()
+    code = run(cfg, factory)
+    state: dict[str, Any] = {"rank": args.rank, "exit": code, "plan_s": wire_times.plan_s,
+                             "report_s": wire_times.report_s}
+    if engines:
+        cache = engines[0].cache
+        try:
+            cache.check()
+            state["consistent"] = True
+        except AssertionError as exc:
+            state["consistent"] = str(exc)
+        state["pools"] = [vars(p) for p in cache.stats()]
+        state["requests_held"] = len(cache.pool.owners())
+    args.stats.write_text(json.dumps(state))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

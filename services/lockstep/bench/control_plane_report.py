@@ -1,0 +1,123 @@
+"""The control-plane benchmark's numbers: per-step parts of the steady decode steps, and the table beside the anchors.
+
+Per step (ms, p50 and p90 over the measured steps):
+
+- plan: the coordinator's `Scheduler.plan` (and the step loop around it), from the step log;
+- serialize: plan -> protobuf (`wire.plan_to_proto`) and queueing it for every rank's stream writer (the
+  message's encoding to bytes happens in that writer, inside the round trip);
+- round trip: from the plan queued to every rank's report back and decoded (the agreement wait);
+- rank apply: the slowest rank's plan protobuf -> plan, its rank service's step (the StepGate and the engine:
+  RankCache prepare, the agreement all-reduce, the no-op forward, RankCache advance and finish) and its report
+  -> protobuf; `rank engine` is the engine's part of it alone, `rank wire` the two protobuf conversions;
+- transport: round trip minus rank apply: gRPC (with the plan's encoding and the reports' decoding,
+  `wire.report_from_proto`), both processes' thread hand-offs and the event loop's wake-up;
+- apply: `Scheduler.apply`, the pool gauges and the dispatch of every token to its request's queue;
+- total: plan + serialize + round trip + apply, the coordinator's `lockstep_step_duration_seconds`;
+- coordinator: plan + serialize + apply, the coordinator's own time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lockstep.bench.control_plane import RunRaw
+from lockstep.bench.report import percentile
+
+VLLM_UPDATE_FROM_OUTPUT_MS = 0.13  # vLLM's Scheduler.update_from_output at batch 128 (issue 11)
+VLLM_BATCH = 128
+TRTLLM_HOST_OVERHEAD_MS = 0.58  # TensorRT-LLM's host overhead per iteration (issue 11)
+TARGET_TOTAL_MS = 1.0  # issue 11: the control plane's step at batch 256
+TARGET_BATCH = 256
+HEADERS = {"plan": "plan", "serialize": "serialize", "round_trip": "round trip", "rank_apply": "rank apply",
+           "rank_engine": "rank engine", "rank_wire": "rank wire", "transport": "transport", "apply": "apply",
+           "total": "total", "coordinator": "coordinator"}
+PARTS = tuple(HEADERS)
+
+
+def _rank_apply(reports: list, stats: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Of one step, the slowest rank's: deserialize + service step + serialize, engine step, and protobuf time."""
+    applies, engines, wires = [], [], []
+    for report in reports:
+        own = stats[report.rank]
+        key = str(report.step)
+        wire = own["plan_s"].get(key, 0.0) + own["report_s"].get(key, 0.0)
+        applies.append(wire + report.timings.rank_step_s)
+        engines.append(report.timings.step_s)
+        wires.append(wire)
+    return max(applies), max(engines), max(wires)
+
+
+def step_parts(raw: RunRaw) -> dict[str, list[float]]:
+    """Seconds of every part of each measured step: the steady decode steps after the warmup, at most `steps`."""
+    steady = [i for i, s in enumerate(raw.steady) if s]
+    chosen = steady[raw.config.warmup:raw.config.warmup + raw.config.steps]
+    parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    for i in chosen:
+        t = raw.timings[i]
+        rank_apply, rank_engine, rank_wire = _rank_apply(raw.reports[i], raw.rank_stats)
+        values = {"plan": t.plan_s, "serialize": t.send_s, "round_trip": t.wait_s, "rank_apply": rank_apply,
+                  "rank_engine": rank_engine, "rank_wire": rank_wire, "transport": t.wait_s - rank_apply,
+                  "apply": t.apply_s,
+                  "total": t.plan_s + t.send_s + t.wait_s + t.apply_s,
+                  "coordinator": t.plan_s + t.send_s + t.apply_s}
+        for name, value in values.items():
+            parts[name].append(value)
+    return parts
+
+
+def summarize(raw: RunRaw) -> dict[str, Any]:
+    """One row of the table: the run's shape, its p50 and p90 per part (ms), and whether it ran as it should."""
+    cfg = raw.config
+    parts = step_parts(raw)
+    return {
+        "tp": cfg.tp, "agreement": cfg.agreement, "batch": cfg.batch, "measured_steps": len(parts["total"]),
+        "steps_run": len(raw.timings), "max_tokens": cfg.max_tokens, "wall_s": raw.wall_s,
+        "completed": sum(1 for n, r in zip(raw.tokens, raw.finish_reasons, strict=True)
+                         if n == cfg.max_tokens and r == "length"),
+        "final_used_pages": raw.final_used_pages,
+        "ms": {name: {"p50": percentile(v, 50) * 1e3, "p90": percentile(v, 90) * 1e3} if v else None
+               for name, v in parts.items()},
+    }
+
+
+def _label(row: dict[str, Any]) -> str:
+    agree = ("agree on" if row["agreement"] else "agree off") if row["tp"] > 1 else ""
+    return f"TP {row['tp']} {agree:9} batch {row['batch']:>4}"
+
+
+def _name(row: dict[str, Any]) -> str:
+    return " ".join(_label(row).split())
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as p50 and p90 ms per part, then the published anchors and the issue's target beside them."""
+    head = f"{'':26}{'steps':>6}" + "".join(f"{HEADERS[p]:>12}" for p in PARTS)
+    lines = ["control plane per decode step (no-op forward; real coordinator, gRPC streams, rank service)"]
+    for stat in ("p50", "p90"):
+        lines += ["", f"{stat}, ms", head, "-" * len(head)]
+        for row in rows:
+            cells = "".join(f"{'-':>12}" if row["ms"][p] is None else f"{row['ms'][p][stat]:12.3f}" for p in PARTS)
+            lines.append(f"{_label(row):26}{row['measured_steps']:>6}" + cells)
+    return "\n".join(lines + _anchors(rows))
+
+
+def _anchors(rows: list[dict[str, Any]]) -> list[str]:
+    """The published numbers the rows compare with, the issue's target, and any run that did not complete."""
+    lines = ["", "anchors (published, other systems, other machines):",
+              f"  vLLM Scheduler.update_from_output at batch {VLLM_BATCH}: {VLLM_UPDATE_FROM_OUTPUT_MS} ms"
+              " (compare: apply)",
+              f"  TensorRT-LLM host overhead per iteration: ~{TRTLLM_HOST_OVERHEAD_MS} ms (compare: total)"]
+    for row in rows:
+        if row["batch"] == VLLM_BATCH and row["ms"]["apply"]:
+            lines.append(f"  here, {_name(row)}: apply p50 {row['ms']['apply']['p50']:.3f} ms")
+    for row in rows:
+        if row["batch"] == TARGET_BATCH and row["ms"]["total"]:
+            total = row["ms"]["total"]["p50"]
+            verdict = "met" if total <= TARGET_TOTAL_MS else "MISSED"
+            lines.append(f"  target total <= {TARGET_TOTAL_MS:g} ms at batch {TARGET_BATCH}, {_name(row)}:"
+                         f" p50 {total:.3f} ms ({verdict})")
+    bad = [r for r in rows if r["completed"] != r["batch"] or any(r["final_used_pages"])]
+    for r in bad:
+        lines.append(f"  WARNING {_name(r)}: {r['completed']}/{r['batch']} requests completed, "
+                     f"pages still used {r['final_used_pages']}")
+    return lines

@@ -1,0 +1,93 @@
+"""The control-plane benchmark: a short real run (coordinator, gRPC, rank service, no-op forward), and that the
+no-op engine stays a benchmark mode that no serving command can reach."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lockstep.bench.control_plane import ControlPlaneConfig, is_full_decode, run_all
+from lockstep.bench.control_plane_cli import configs, parse_args
+from lockstep.bench.control_plane_report import PARTS, format_table, summarize
+from lockstep.coordinator.events import Event, EventKind
+
+BATCH, STEPS, WARMUP = 4, 20, 2
+
+
+def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_path):
+    cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40)
+    runs, profiler = run_all([cfg], tmp_path)
+    assert profiler is None
+    raw = runs[0]
+    # every request ended by max_tokens, its client got every token, and the ranks hold nothing afterwards
+    assert raw.tokens == [cfg.max_tokens] * BATCH
+    assert raw.finish_reasons == ["length"] * BATCH
+    assert raw.final_used_pages == [0]
+    [rank] = raw.rank_stats
+    assert rank["exit"] == 0 and rank["consistent"] is True and rank["requests_held"] == 0
+    assert [p["used"] for p in rank["pools"]] == [0]
+    # the rank deserialized and answered exactly the plans the coordinator's step loop sent, step for step
+    steps = sorted({r.step for reports in raw.reports for r in reports})
+    assert len(steps) == len(raw.timings) == len(raw.reports)
+    assert sorted(int(s) for s in rank["plan_s"]) == steps and sorted(int(s) for s in rank["report_s"]) == steps
+    # the scheduler batched every request in each steady step, one decode token each
+    steady = [t for t, s in zip(raw.timings, raw.steady, strict=True) if s]
+    assert len(steady) >= WARMUP + STEPS and all(t.batch == BATCH for t in steady)
+    row = summarize(raw)
+    assert row["measured_steps"] == STEPS and row["completed"] == BATCH
+    for part in ("plan", "serialize", "round_trip", "rank_apply", "rank_engine", "apply", "total"):
+        assert row["ms"][part]["p50"] > 0, part
+    assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]
+    table = format_table([row])
+    assert "p50, ms" in table and "p90, ms" in table and "TensorRT-LLM" in table and "update_from_output" in table
+    assert "WARNING" not in table
+
+
+def test_serving_commands_have_no_way_to_the_noop_engine(capsys):
+    from lockstep.rank.main import parse_args as rank_args
+    from lockstep.serve import parse_args as serve_args
+
+    for parse in (rank_args, serve_args):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        text = capsys.readouterr().out.lower()
+        assert "noop" not in text and "no-op" not in text and "control-plane" not in text
+        for flag in ("--noop", "--noop-forward", "--control-plane"):
+            with pytest.raises(SystemExit):
+                parse([flag])
+            capsys.readouterr()
+    # nothing a serving process imports loads the benchmark's engine
+    code = ("import sys, lockstep.cli, lockstep.serve, lockstep.rank.main, lockstep.coordinator.main; "
+            "bad = [m for m in sys.modules if m.startswith('lockstep.bench')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_command_line_runs_each_tp_agreement_and_batch_once():
+    args = parse_args(["--batch", "8,64", "--tp", "1,2", "--agreement", "both", "--steps", "5"])
+    got = [(c.tp, c.agreement, c.batch, c.steps) for c in configs(args)]
+    assert got == [(1, True, 8, 5), (1, True, 64, 5), (2, True, 8, 5), (2, True, 64, 5), (2, False, 8, 5),
+                   (2, False, 64, 5)]
+    with pytest.raises(SystemExit):
+        parse_args(["--batch", "8,0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--min-prompt", "70", "--max-prompt", "10"])
+
+
+def test_the_window_holds_enough_steady_steps_and_every_context():
+    cfg = ControlPlaneConfig(batch=256, steps=200, warmup=10, max_prompt=64, max_num_batched_tokens=2048)
+    prefill_steps = -(-256 * 64 // (2048 - 256))
+    assert cfg.max_tokens >= cfg.warmup + cfg.steps + prefill_steps
+    assert cfg.max_model_len >= cfg.max_prompt + cfg.max_tokens
+    assert cfg.kv_pages >= cfg.batch * -(-cfg.max_model_len // cfg.page_size)
+    with pytest.raises(ValueError):
+        ControlPlaneConfig(batch=0)
+
+
+def test_a_full_decode_step_is_a_token_for_every_request_and_no_finish():
+    tokens = [Event(f"r{i}", EventKind.TOKEN, 5) for i in range(3)]
+    assert is_full_decode(tokens, 3)
+    assert not is_full_decode(tokens[:2], 3)
+    assert not is_full_decode([*tokens, Event("r0", EventKind.FINISHED)], 3)
+    assert set(PARTS) >= {"plan", "serialize", "round_trip", "rank_apply", "apply", "total"}

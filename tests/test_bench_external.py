@@ -1,0 +1,88 @@
+"""`lockstep bench --url`: one client measures Lockstep and another OpenAI-compatible server (here transformers
+behind a small HTTP server) with the same streamed workload in one run; on the same weights, greedy, both
+answer every request with the same text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lockstep.bench.external import Target, format_runs, run_external
+
+PROMPTS = ["The quick brown fox", "Every rank holds its own shard", "A page holds the keys", "How vexingly quick",
+           "Pack my box with", "The coordinator decides, once,"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture
+def hf_server(tiny_llama, tmp_path):
+    from cluster import http
+    from lockstep.local_group import free_port
+
+    port = free_port()
+    log = open(tmp_path / "hf.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "hf_openai_server.py"), str(tiny_llama),
+                             str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "hf.log").read_text()
+            try:
+                if http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_one_client_measures_lockstep_and_another_server_in_one_run(tiny_llama, tmp_path, hf_server):
+    from cluster import Cluster
+
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, coordinator_args=["--api-key", "k1"])
+    try:
+        runs = [run_external(Target(c.url + "/v1", api_key="k1"), PROMPTS, MAX_TOKENS, concurrency=3),
+                run_external(Target(hf_server), PROMPTS, MAX_TOKENS, concurrency=3)]
+        c.assert_no_leak()
+    finally:
+        c.close()
+    table = format_runs(runs)
+    print(table)
+    for run in runs:
+        assert not run.errors, run.errors
+        assert len(run.latency_s) == len(PROMPTS) and run.output_tokens == [MAX_TOKENS] * len(PROMPTS)
+        assert all(0 < t <= lat for t, lat in zip(run.ttft_s, run.latency_s, strict=True))
+        assert run.summary()["output_tok_s"] > 0
+    assert runs[0].texts == runs[1].texts  # the same greedy answers from both engines
+    assert c.url in table and hf_server in table
+
+
+def test_the_command_and_its_errors(tiny_llama, tmp_path, capsys):
+    """`lockstep bench --url`: a table per server; a wrong key is an error per request, a bad URL a usage error."""
+    from cluster import Cluster
+    from lockstep.bench.command import main
+
+    common = ["--model", str(tiny_llama), "--requests", "4", "--concurrency", "2", "--max-tokens", "4",
+              "--min-prompt", "4", "--max-prompt", "12", "--warmup", "1"]
+    assert main([*common, "--url", "ftp://x/v1"]) == 2
+    assert "is not an http(s) URL" in capsys.readouterr().err
+    c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, coordinator_args=["--api-key", "k1"])
+    try:
+        run = run_external(Target(c.url + "/v1", api_key="wrong"), PROMPTS[:2], MAX_TOKENS, 1, warmup=0)
+        assert main([*common, "--url", c.url + "/v1", "--api-key", "k1", "--json", str(tmp_path / "o.json")]) == 0
+        c.assert_no_leak()
+    finally:
+        c.close()
+    assert len(run.errors) == 2 and all("HTTP 401" in e for e in run.errors)
+    assert "output tok/s" in capsys.readouterr().out
+    import json
+
+    (summary,) = json.loads((tmp_path / "o.json").read_text())["runs"]
+    assert summary["requests"] == 4 and summary["errors"] == 0

@@ -1,0 +1,119 @@
+"""Ctrl-C / SIGTERM: the coordinator stops within its grace, and a client's stream ends instead of hanging.
+
+aiohttp's own default would wait 60 s for open streams. `run_app` gives them `shutdown_grace` seconds and then
+cuts them off; `lockstep serve` (the coordinator's `run`) does the same on a signal, then stops its ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.request
+
+import aiohttp
+from aiohttp import web
+
+from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, run_app
+from lockstep.local_group import free_port
+from test_serve import _serving, _wait_healthy
+
+SLACK_S = 2.0  # what stopping may take beyond the grace on a busy machine
+
+
+def _streaming_app(chunks: int) -> web.Application:
+    """One route that streams `chunks` lines, 50 ms apart (chunks < 0: for ever)."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        i = 0
+        while chunks < 0 or i < chunks:
+            await resp.write(f"chunk {i}\n".encode())
+            await asyncio.sleep(0.05)
+            i += 1
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    return app
+
+
+async def _read_during_cleanup(chunks: int, grace: float) -> tuple[float, float, list[bytes], str]:
+    """Start a stream, stop the server once its first line arrived; returns (seconds cleanup took, seconds until
+    the client's stream ended, the lines read, how it ended)."""
+    port = free_port()
+    runner = await run_app(_streaming_app(chunks), "127.0.0.1", port, shutdown_grace=grace)
+    lines: list[bytes] = []
+    first = asyncio.Event()
+
+    async def client() -> str:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/stream") as resp:
+            try:
+                async for line in resp.content:
+                    lines.append(line)
+                    first.set()
+                return "eof"
+            except aiohttp.ClientPayloadError as exc:
+                return f"cut: {exc}"
+
+    reader = asyncio.ensure_future(client())
+    await asyncio.wait_for(first.wait(), 10)
+    t0 = time.monotonic()
+    await runner.cleanup()
+    took = time.monotonic() - t0
+    how = await asyncio.wait_for(reader, 10)
+    return took, time.monotonic() - t0, lines, how
+
+
+def test_a_stream_longer_than_the_grace_is_cut_off_when_the_grace_ends():
+    took, ended, lines, how = asyncio.run(_read_during_cleanup(chunks=-1, grace=0.5))
+    assert 0.4 < took < 0.5 + SLACK_S, took
+    assert ended < 0.5 + SLACK_S and how.startswith("cut"), (ended, how)
+    assert len(lines) >= 5  # it went on streaming during the grace
+
+
+def test_a_stream_that_ends_within_the_grace_is_served_whole_and_does_not_wait_for_the_grace():
+    took, _, lines, how = asyncio.run(_read_during_cleanup(chunks=10, grace=5.0))
+    assert how == "eof" and lines == [f"chunk {i}\n".encode() for i in range(10)]
+    assert took < 5.0, took
+
+
+def test_sigterm_ends_lockstep_serve_and_its_open_stream_within_the_grace(tiny_llama, tmp_path):
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
+        _wait_healthy(proc, port, log)
+        body = json.dumps({"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "temperature": 0,
+                           "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events = [resp.readline()]
+            assert events[0].startswith(b"data: "), events
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            try:
+                while line := resp.readline():  # ends at the stream's end or when the server cuts it off
+                    events.append(line)
+            except (OSError, http_client_errors()) as exc:
+                events.append(repr(exc).encode())
+            ended = time.monotonic() - t0
+        try:
+            proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
+        finally:
+            exited = time.monotonic() - t0
+            text = log.read_text()
+    why = f"stream ended after {ended:.1f} s, process after {exited:.1f} s; last events {events[-3:]}; " \
+          f"log: {text[-3000:]}"
+    assert ended < SHUTDOWN_GRACE_S + 5, why
+    assert exited < SHUTDOWN_GRACE_S + 20, why  # `lockstep serve` stops its ranks after the coordinator
+    assert proc.returncode == 0, why
+    assert "requests in flight have" in text, why
+
+
+def http_client_errors() -> type[Exception]:
+    """What urllib raises when a chunked response is cut off in the middle."""
+    import http.client
+
+    return http.client.IncompleteRead
