@@ -30,8 +30,8 @@ def _config(tmp_path: Path, **cfg) -> Path:
 
 def test_default_tp_is_the_smallest_size_above_one_the_shapes_and_the_cores_allow(tmp_path):
     builtin = dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
-    assert default_tp(_config(tmp_path, **builtin), slots=4) == 3
-    assert default_tp(_config(tmp_path, **builtin), slots=2) == 1  # three ranks on two cores: slower than one
+    assert default_tp(_config(tmp_path, **builtin), slots=4) == 3  # two cores with shared-memory collectives
+    assert default_tp(_config(tmp_path, **builtin), slots=2) == 1  # two cores over gloo, or two GPUs
     assert default_tp(_config(tmp_path, **builtin), slots=6, dp=2) == 3
     assert default_tp(_config(tmp_path, **builtin), slots=5, dp=2) == 1
     four = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=384)
@@ -175,8 +175,9 @@ def test_builtin_model_served_says_paris(tmp_path):
         while "Lockstep is serving" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(1)
-        cores = len(os.sched_getaffinity(0))
-        assert f"starting {3 if cores >= 3 else 1} rank(s)" in log.read_text()
+        from lockstep.device import rank_capacity
+
+        assert f"starting {3 if rank_capacity() >= 3 else 1} rank(s)" in log.read_text()
         status, body = http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "What is the capital of France?"}],
                              "max_tokens": 24, "temperature": 0}, timeout=300)
@@ -291,3 +292,18 @@ def test_a_group_that_dies_before_it_serves_is_given_up_but_one_that_served_is_a
         ranks.stop()
 
     asyncio.run(served_every_time())
+
+
+def test_rank_capacity_counts_two_ranks_a_core_only_with_shared_memory_collectives(monkeypatch):
+    import platform
+
+    from lockstep.device import rank_capacity
+
+    monkeypatch.setenv("LOCKSTEP_DEVICE", "cpu")
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCKSTEP_COMM", "gloo")
+    assert rank_capacity() == cores
+    monkeypatch.setenv("LOCKSTEP_COMM", "auto")
+    assert rank_capacity() == (2 * cores if platform.machine() in ("x86_64", "AMD64") else cores)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # no shared-memory transport there
+    assert rank_capacity() == cores

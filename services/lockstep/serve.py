@@ -31,10 +31,9 @@ DP = Setting("dp", "--dp", "LOCKSTEP_DP", integer, 1,
 
 
 def default_tp(model_dir: Path, slots: int, dp: int = 1) -> int:
-    """The smallest TP size above 1 that the model's shapes allow and whose `dp` groups get a device (a GPU, or
-    a CPU core) per rank; else 1. More ranks than cores is a real group that is slower than one rank (each
-    all-reduce waits on a descheduled peer: 3.7x the inter-token latency of TP 1 on two cores), so the first
-    run on a small machine serves one rank and says how to ask for a group."""
+    """The smallest TP size above 1 that the model's shapes allow and whose `dp` groups fit in `slots` ranks
+    (`device.rank_capacity`: a GPU each, or up to two per CPU core with shared-memory collectives); else 1. So
+    the first run is a real group where that costs little, and one fast rank where it would not."""
     return next((tp for tp in valid_tp_sizes(ModelConfig.from_dir(model_dir)) if 1 < tp and tp * dp <= slots), 1)
 
 
@@ -117,14 +116,15 @@ def _groups(args: argparse.Namespace, model_dir: Path, tp: int, threads: int,
 
 
 def _default_tp(model_dir: Path, dp: int, say: Callable[[str], None]) -> int:
-    from lockstep.device import device_slots
+    from lockstep.device import rank_capacity
 
-    slots = device_slots()
+    slots = rank_capacity()
     tp = default_tp(model_dir, slots, dp)
     smallest = next((t for t in valid_tp_sizes(ModelConfig.from_dir(model_dir)) if t > 1), 1)
     if tp == 1 and smallest > 1:
         say(f"TP 1: the smallest group {model_dir.name} allows is {smallest} ranks, and {dp} group(s) of them "
-            f"would share {slots} device(s) (cores or GPUs); pass --tp {smallest} to serve it as a group anyway")
+            f"are more than this machine runs side by side ({slots}: a rank per GPU, or up to two per CPU core "
+            f"with shared-memory collectives); pass --tp {smallest} to serve it as a group anyway")
     return tp
 
 
