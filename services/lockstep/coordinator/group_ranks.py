@@ -161,18 +161,20 @@ class GroupRanks:
     async def idle(self, wakeup: asyncio.Event) -> None:
         """Wait for `wakeup`, but notice a rank whose stream breaks meanwhile (an idle group is watched too)."""
         woken = asyncio.ensure_future(wakeup.wait())
+        got: asyncio.Future | None = None
         try:
             while not woken.done():
                 got = asyncio.ensure_future(self.inbox.get())
                 await asyncio.wait({woken, got}, return_when=asyncio.FIRST_COMPLETED)
                 if not got.done():
-                    got.cancel()
                     break
                 rank, item = got.result()
                 if isinstance(item, str):
                     raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
-        finally:
+        finally:  # also when the group's task is cancelled here: no get() left pending on the inbox
             woken.cancel()
+            if got is not None and not got.done():
+                got.cancel()
 
     async def gather(self, step: int) -> list[Report]:
         """Every rank's report of `step`, in rank order: the agreement wait."""

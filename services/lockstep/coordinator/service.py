@@ -382,6 +382,8 @@ class Coordinator:
 
     def _dispatch(self, group: str, events: list[Event]) -> None:
         now = time.monotonic()
+        itl = self.metrics.itl.labels(group)  # one label lookup per step, not per token (batch 256: ~1 ms)
+        tokens = 0
         for ev in events:
             live = self.live.get(ev.request_id)
             if live is None:
@@ -392,9 +394,9 @@ class Coordinator:
                     self.metrics.ttft.labels(group).observe(now - live.arrived)
                     self._settle_expectation(group, live)
                 else:
-                    self.metrics.itl.labels(group).observe(now - live.last_token_at)
+                    itl.observe(now - live.last_token_at)
                 live.last_token_at = now
-                self.metrics.generation_tokens.labels(group).inc()
+                tokens += 1
                 live.queue.put_nowait(TokenEvent(ev.token_id, None, cached, logprobs=ev.logprobs,
                                                   prompt_logprobs=ev.prompt_logprobs))
             elif ev.kind == EventKind.FINISHED:
@@ -406,6 +408,8 @@ class Coordinator:
                     live.queue.put_nowait(TokenEvent(None, ev.finish_reason, cached))
                 self.metrics.request_duration.labels(group).observe(now - live.arrived)
                 self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
+        if tokens:
+            self.metrics.generation_tokens.labels(group).inc(tokens)
 
     def _settle_expectation(self, group: str, live: _Live) -> None:
         """At a request's first token its cached tokens are what its group's ranks agreed on at its first
