@@ -102,7 +102,8 @@ def test_serve_brings_its_group_back_when_a_rank_dies_and_finishes_every_request
     """Each rank in turn is killed (-9) while a request runs, one of them streaming: `lockstep serve` stops
     the survivors, starts the whole group again, and every request ends with exactly the tokens of an
     undisturbed run; none is dropped."""
-    body = {"prompt": list(range(5, 25)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+    # long enough that a quiet machine with shared-memory collectives is still generating when the rank dies
+    body = {"prompt": list(range(5, 25)), "max_tokens": 480, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
         url = f"http://127.0.0.1:{port}"
@@ -115,7 +116,10 @@ def test_serve_brings_its_group_back_when_a_rank_dies_and_finishes_every_request
             assert len(ranks) == 2
             with ThreadPoolExecutor(1) as pool:
                 fut = pool.submit(http, "POST", url + "/v1/completions", {**body, "stream": stream}, 120)
-                time.sleep(0.4)
+                deadline = time.monotonic() + 60  # kill only while the request runs, never an idle group
+                while 'lockstep_requests{group="g0",state="running"} 1.0' not in http("GET", url + "/metrics")[1]:
+                    assert time.monotonic() < deadline and not fut.done(), "the request never ran"
+                    time.sleep(0.02)
                 ranks[victim].kill()
                 status, got = fut.result(timeout=120)
             assert status == 200, got
