@@ -44,6 +44,6 @@ def computing_sibling(
         page = done // page_size  # the first page it has not filled yet
         if page >= pages or (page + 1) * page_size > other.num_tokens:
             continue
-        if req.page_keys(page + 1, page_size, salt)[page] == other.page_keys(page + 1, page_size, salt)[page]:
+        if req.page_key(page, page_size, salt) == other.page_key(page, page_size, salt):
             return other
     return None

@@ -231,6 +231,15 @@ class Request:
 
     def page_keys(self, num_pages: int, page_size: int, salt: bytes) -> tuple[bytes, ...]:
         """Keys of the first num_pages full pages; the chain is extended once and kept (tokens only grow)."""
+        self._extend_keys(num_pages, page_size, salt)
+        return tuple(self._keys[:num_pages])
+
+    def page_key(self, page: int, page_size: int, salt: bytes) -> bytes:
+        """The key of full page `page` alone (no copy of the chain before it: callers compare one page)."""
+        self._extend_keys(page + 1, page_size, salt)
+        return self._keys[page]
+
+    def _extend_keys(self, num_pages: int, page_size: int, salt: bytes) -> None:
         if num_pages * page_size > self.num_tokens:
             raise ValueError(f"request {self.request_id} has {self.num_tokens} tokens, not {num_pages} full pages")
         have = len(self._keys)
@@ -238,4 +247,3 @@ class Request:
             parent = self._keys[-1] if self._keys else None
             tokens = self.token_ids(have * page_size, num_pages * page_size)
             self._keys.extend(page_keys(tokens, page_size, salt, parent))
-        return tuple(self._keys[:num_pages])
