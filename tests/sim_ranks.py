@@ -71,13 +71,14 @@ class SimRank:
     def pool(self) -> PagePool:
         return self.cache.pool
 
-    def prepare(self, plan: Plan, refuse: str = "") -> str:
+    def prepare(self, plan: Plan, refuse: str = "", void: bool = False) -> str:
         """This rank's refusal, or "". A refusal the scheduler should never cause (an over-admission, a
-        chunk at the wrong position) fails the test here; a prefix a flush took is the rank's to refuse."""
+        chunk at the wrong position) fails the test here; a prefix a flush took is the rank's to refuse, and
+        so is a `void` plan's chunk (built ahead of a step that was then refused)."""
         try:
             self.cache.prepare(plan)
         except StepRefused as exc:
-            if not isinstance(exc.__cause__, PrefixNotHeld):
+            if not isinstance(exc.__cause__, PrefixNotHeld) and not void:
                 raise
             return str(exc)
         return refuse
@@ -138,10 +139,18 @@ class Group:
     """A scheduler and its simulated ranks, stepped together; checks every plan as it goes."""
 
     def __init__(
-        self, sched: Scheduler, pools: list[int], caching: bool = True, sliding: list[int] | None = None
+        self, sched: Scheduler, pools: list[int], caching: bool = True, sliding: list[int] | None = None,
+        overlap: bool = False,
     ) -> None:
-        """pools[r]: rank r's full pool; with the scheduler's window, sliding[r] its sliding pool."""
+        """pools[r]: rank r's full pool; with the scheduler's window, sliding[r] its sliding pool. With `overlap`
+        the next plan is built ahead (Scheduler.plan_ahead) before each step's reports are applied, and pending
+        tokens are filled in from rank 0's last report, as the engine's agreement collective does."""
         self.sched = sched
+        self.overlap = overlap
+        self.ahead: Plan | None = None  # the plan built while the last step ran
+        self.ahead_plans = 0
+        self.drawn: dict[str, int] = {}  # rank 0's tokens of the last step run
+        self.refused_last = False
         sliding = sliding or [0] * len(pools)
         self.ranks = [SimRank(r, n, sched.page_size, caching, sched.window, s)
                       for r, (n, s) in enumerate(zip(pools, sliding, strict=True))]
@@ -159,7 +168,10 @@ class Group:
         tamper: Callable[[list[Report]], None] | None = None,
     ) -> list[Event]:
         """One step; `between` runs while the plan is in flight, `tamper` edits the reports on their way."""
-        plan = self.sched.plan(self.step, self.reports, flush=bool(flush))
+        plan, void = self.ahead, self.refused_last
+        if plan is None:
+            plan = self.sched.plan(self.step, self.reports, flush=bool(flush))
+            void = False
         before = dict(self.next_start)
         self._check_plan(plan)
         if between is not None:
@@ -167,9 +179,10 @@ class Group:
         refuse = refuse or {}
         # As the group's step loop sends it: the flush rides only on the plans of the ranks that flush.
         plans = [replace(plan, flush_prefix_cache=True) if r.rank in flush else plan for r in self.ranks]
-        errors = [r.prepare(p, refuse.get(r.rank, "")) for r, p in zip(self.ranks, plans, strict=True)]
+        plans, missing = self._fill_pending(plans)
+        errors = [missing or r.prepare(p, refuse.get(r.rank, ""), void) for r, p in zip(self.ranks, plans, strict=True)]
         group_error = next((e for e in errors if e), "")
-        if group_error:  # nothing ran: the chunks of the running requests come again
+        if group_error and not void:  # nothing ran: the chunks of the running requests come again
             self.next_start = {rid: before[rid] for rid in self.next_start if rid in before}
         reports = [
             r.finish(p, (errors[r.rank] or "another rank refused") if group_error else "")
@@ -177,6 +190,10 @@ class Group:
         ]
         if tamper is not None:
             tamper(reports)
+        self.drawn = {s.request_id: s.token_id for s in reports[0].sampled}
+        self.refused_last = bool(group_error)
+        self.ahead = self.sched.plan_ahead(self.step + 1) if self.overlap else None
+        self.ahead_plans += self.ahead is not None
         events = self.sched.apply(reports)
         self.reports, self.step = reports, self.step + 1
         self.plans.append(plan)
@@ -184,10 +201,28 @@ class Group:
         assert self.sched.num_running <= self.sched.max_num_seqs
         return events
 
+    def _fill_pending(self, plans: list[Plan]) -> tuple[list[Plan], str]:
+        """The plans with their pending tokens filled in from rank 0's last step, and the error of one it did not
+        draw (a refused step: every rank refuses, as the engine's agreement collective makes them)."""
+        pending = [c.request_id for c in plans[0].batch if c.pending]
+        if not pending:
+            return plans, ""
+        missing = [rid for rid in pending if rid not in self.drawn]
+        if missing:
+            return plans, f"no token drawn for pending request {missing[0]}"
+        batch = tuple(replace(c, token_ids=(self.drawn[c.request_id],)) if c.pending else c for c in plans[0].batch)
+        return [replace(p, batch=batch) for p in plans], ""
+
     def _check_plan(self, plan: Plan) -> None:
         sched = self.sched
         assert sum(len(c.token_ids) for c in plan.batch) <= sched.max_num_batched_tokens
         assert len({c.request_id for c in plan.batch}) == len(plan.batch)
+        if self.overlap:  # positions and tokens are the ranks' to check (RankCache; the reference tokens)
+            for c in plan.batch:
+                req = sched.requests.get(c.request_id)
+                if c.pending and req is not None and req.num_computed == c.start:  # its token came in meanwhile
+                    assert c.sample and c.start == req.num_tokens - 1 and c.sample_index == len(req.generated), c
+            return
         for rid in plan.releases:
             self.next_start.pop(rid, None)
         for admit in plan.admits:
@@ -205,7 +240,7 @@ class Group:
             assert not plan.probes and all(not a.prefix_keys for a in plan.admits)
 
     def run(self, limit: int = 3000) -> None:
-        while self.sched.has_work():
+        while self.sched.has_work() or self.ahead is not None:
             self.run_step()
             assert self.step < limit, f"no progress after {limit} steps: {self.sched.running} {self.sched.waiting}"
         for r in self.ranks:

@@ -16,8 +16,10 @@ from lockstep.coordinator.events import Event, EventKind
 BATCH, STEPS, WARMUP = 4, 20, 2
 
 
-def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_path):
-    cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_path, overlap):
+    cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40,
+                             overlap=overlap)
     runs, profiler = run_all([cfg], tmp_path)
     assert profiler is None
     raw = runs[0]
@@ -37,8 +39,14 @@ def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_p
     assert len(steady) >= WARMUP + STEPS and all(t.batch == BATCH for t in steady)
     row = summarize(raw)
     assert row["measured_steps"] == STEPS and row["completed"] == BATCH
-    for part in ("plan", "serialize", "round_trip", "rank_apply", "rank_engine", "apply", "total"):
+    # with overlap every steady plan is built while the ranks run the step before, and so is every apply hidden
+    built_now = ("ahead",) if overlap else ("plan", "serialize")
+    for part in (*built_now, "round_trip", "rank_apply", "rank_engine", "apply", "total"):
         assert row["ms"][part]["p50"] > 0, part
+    if overlap:
+        assert row["ms"]["plan"]["p90"] == row["ms"]["exposed"]["p90"] == 0
+    else:
+        assert row["ms"]["ahead"]["p90"] == 0 and row["ms"]["exposed"]["p50"] == row["ms"]["coordinator"]["p50"]
     assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]
     table = format_table([row])
     assert "p50, ms" in table and "p90, ms" in table and "TensorRT-LLM" in table and "update_from_output" in table
@@ -65,10 +73,12 @@ def test_serving_commands_have_no_way_to_the_noop_engine(capsys):
 
 
 def test_the_command_line_runs_each_tp_agreement_and_batch_once():
-    args = parse_args(["--batch", "8,64", "--tp", "1,2", "--agreement", "both", "--steps", "5"])
+    args = parse_args(["--batch", "8,64", "--tp", "1,2", "--agreement", "both", "--steps", "5", "--overlap", "on"])
     got = [(c.tp, c.agreement, c.batch, c.steps) for c in configs(args)]
     assert got == [(1, True, 8, 5), (1, True, 64, 5), (2, True, 8, 5), (2, True, 64, 5), (2, False, 8, 5),
                    (2, False, 64, 5)]
+    both = [(c.overlap, c.batch) for c in configs(parse_args(["--batch", "8", "--tp", "1"]))]
+    assert both == [(True, 8), (False, 8)]
     with pytest.raises(SystemExit):
         parse_args(["--batch", "8,0"])
     with pytest.raises(SystemExit):

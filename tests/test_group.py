@@ -58,10 +58,27 @@ def tokens_of(group: Cluster, tokens: list[int], n: int, **extra) -> tuple[list[
 
 def test_concurrent_greedy_matches_transformers(group, reference, no_leak):
     prompts = [prompt(i, n) for i, n in enumerate([5, 17, 33, 48, 70, 9])]
+    hidden = sum(group.metric("lockstep_coordinator_seconds_total", part="hidden"))
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: tokens_of(group, p, 10)[0], prompts))
     for p, got in zip(prompts, results, strict=True):
         assert got == reference(p, 10)
+    # the decodes ran on plans built ahead (overlap scheduling): the coordinator's time was hidden behind them
+    assert sum(group.metric("lockstep_coordinator_seconds_total", part="hidden")) > hidden
+
+
+def test_without_overlap_every_plan_waits_for_reports_and_outputs_are_the_same(tiny_llama, reference, tmp_path):
+    c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path, coordinator_args=["--no-overlap"])
+    try:
+        prompts = [prompt(200 + i, n) for i, n in enumerate([7, 30, 19])]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: tokens_of(c, p, 8)[0], prompts))
+        assert results == [reference(p, 8) for p in prompts]
+        assert sum(c.metric("lockstep_coordinator_seconds_total", part="hidden")) == 0
+        assert sum(c.metric("lockstep_coordinator_seconds_total", part="exposed")) > 0
+        c.assert_no_leak()
+    finally:
+        c.close()
 
 
 def test_prefix_cache_hit_is_skipped_and_output_unchanged(group, reference, no_leak):
@@ -152,7 +169,8 @@ def test_admin_steps_is_the_group_step_log(group, no_leak):
     status, after = http("GET", group.url + f"/admin/steps?since={before['next']}")
     assert status == 200 and after["group"] == "g0" and after["next"] >= before["next"] + 3
     assert len(after["steps"]) == after["next"] - before["next"]
-    assert all(len(s) == 6 and s[0] >= 0 and min(s[1:]) >= 0 for s in after["steps"])
+    assert all(len(s) == 7 and s[0] >= 0 and min(s[1:]) >= 0 for s in after["steps"])
+    assert any(s[6] > 0 for s in after["steps"])  # a decode planned while the step before it ran (overlap)
     assert any(s[0] >= 1 for s in after["steps"])  # the request's steps had it in their batch
     status, body = http("GET", group.url + "/admin/steps?group=nope")
     assert status == 404 and body["error"]["param"] == "group"

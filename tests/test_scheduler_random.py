@@ -32,6 +32,7 @@ class Workload:
     window: int = 0  # a hybrid model: sliding[r] pages of a `sliding` pool of this window on rank r too
     sliding: list[int] | None = None
     copies: dict[int, int] = field(default_factory=dict)  # arrival index -> identical requests arriving with it
+    overlap: bool = False  # plans built ahead of the last step's reports (Scheduler.plan_ahead)
 
     def too_large(self, req: Request) -> bool:
         if pages_for(req.max_positions, 4) > min(self.pools):
@@ -42,7 +43,7 @@ class Workload:
 def drive(w: Workload) -> Group:
     """Run a workload to the end and check everything a client and an operator would check."""
     sched = make_sched(ranks=len(w.pools), budget=w.budget, seqs=w.seqs, caching=w.caching, window=w.window)
-    g = Group(sched, w.pools, caching=w.caching, sliding=w.sliding)
+    g = Group(sched, w.pools, caching=w.caching, sliding=w.sliding, overlap=w.overlap)
     reqs, steps = [], []
     for i, (step, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals):
         for c in range(1 + w.copies.get(i, 0)):  # the same prompt, as n choices or concurrent clients send it
@@ -52,7 +53,7 @@ def drive(w: Workload) -> Group:
     order = sorted(range(len(reqs)), key=lambda i: steps[i])
     aborted: set[str] = set()
     nxt = 0
-    while nxt < len(order) or sched.has_work():
+    while nxt < len(order) or sched.has_work() or g.ahead is not None:
         while nxt < len(order) and steps[order[nxt]] <= g.step:
             sched.add(reqs[order[nxt]])
             nxt += 1

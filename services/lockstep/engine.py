@@ -15,6 +15,7 @@ that one small all-reduce, so no rank ever skips a collective that the others en
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -68,6 +69,7 @@ class Engine:
         self.model_id = model_id
         self.device = kv.k[0].device
         self.penalties = PenaltyBook()  # token counts of the penalized requests this rank holds
+        self.drawn: dict[str, int] = {}  # the sampling rank's tokens of its last step, for pending chunks
         self.page_bytes = {name: KVCache.bytes_per_page(config, comm.world_size, kv.page_size, kv.k[0].dtype, name)
                            for name in cache.pools}
 
@@ -127,7 +129,9 @@ class Engine:
             error = ""
         except StepRefused as exc:
             error = str(exc)
-        if self._group_refuses(plan.step, error):
+        drawn, error = self._pending_tokens(plan, error)
+        refused, drawn = self._agree(plan.step, error, drawn)
+        if refused:
             self.cache.undo_admits()
             error = error or "another rank of the group refused this step"
         elif plan.pool_split:
@@ -140,11 +144,37 @@ class Engine:
         forward_s = 0.0
         if not error and plan.batch:
             t1 = time.perf_counter()
-            (sampled, scored), error = self._forward(plan)
+            (sampled, scored), error = self._forward(_resolved(plan, drawn) if drawn else plan)
             forward_s = time.perf_counter() - t1
+        self.drawn = {s.request_id: s.token_id for s in sampled} if self.comm.rank == SAMPLING_RANK else {}
         probes, pools = self.cache.finish(plan)
         timings = Timings(step_s=time.perf_counter() - t0, forward_s=forward_s)
         return Report(plan.step, self.comm.rank, sampled, probes, pools, error, timings, scored)
+
+    def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
+        """The sampling rank's tokens of the last step for the plan's pending chunks (overlap), in batch order,
+        and the step's error: a pending token it did not draw (the last step was refused) refuses this one."""
+        pending = [c.request_id for c in plan.batch if c.pending]
+        if not pending or self.comm.rank != SAMPLING_RANK:
+            return [0] * len(pending), error
+        missing = [rid for rid in pending if rid not in self.drawn]
+        if missing and not error:
+            error = f"rank {self.comm.rank}: no token drawn at step {plan.step - 1} for pending request {missing[0]}"
+        return [self.drawn.get(rid, 0) for rid in pending], error
+
+    def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
+        """Whether the group refuses the step, and the sampling rank's pending tokens, in one collective: the
+        other ranks add zeros, so the sum is its tokens (exact in float64)."""
+        if not drawn or self.comm.world_size == 1:
+            return self._group_refuses(step, error), drawn
+        values = torch.tensor([1.0 if error else 0.0, *drawn], dtype=torch.float64, device=self.device)
+        try:
+            out = self.comm.all_reduce(values).tolist()
+        except Exception as exc:
+            raise GroupBroken(
+                f"rank {self.comm.rank}: the agreement collective of step {step} failed: {exc}"
+            ) from exc
+        return out[0] > 0, [int(t) for t in out[1:]]
 
     def _group_refuses(self, step: int, error: str) -> bool:
         """Whether any rank refuses the step: one small all-reduce that every rank joins, refusing or not."""
@@ -226,6 +256,13 @@ class Engine:
             logits = self.model(ids, attn, self.kv, rows=torch.tensor(rows, device=ids.device))
         # the rows are the same on every rank (the LM head gathers them); only rank 0 scores them
         return logits[lasts], _prompt_scores(batch, logits, firsts) if self.comm.rank == 0 else ()
+
+
+def _resolved(plan: Plan, drawn: list[int]) -> Plan:
+    """The plan with its pending chunks' tokens filled in, in batch order."""
+    tokens = iter(drawn)
+    batch = tuple(dataclasses.replace(c, token_ids=(next(tokens),)) if c.pending else c for c in plan.batch)
+    return dataclasses.replace(plan, batch=batch)
 
 
 def _prompt_scores(batch: tuple[Chunk, ...], logits: torch.Tensor, firsts: list[int]) -> tuple[PromptLogprobs, ...]:

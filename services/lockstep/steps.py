@@ -62,6 +62,11 @@ class Admit:
     prefix_keys: tuple[bytes, ...] = ()
 
 
+# A chunk's only token when the coordinator planned it before the token was sampled (overlap scheduling): "the token
+# the sampling rank drew for this request at the step before", which every rank learns in this step's agreement.
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Tokens of one request to run this step: a prefill chunk or one decode token.
@@ -69,7 +74,8 @@ class Chunk:
     `start` is the position of the first token; the rank holds positions [0, start) already.
     `sample` asks for a token from the logits of the chunk's last position; `sample_index` is how
     many tokens the request has generated before this one (it seeds per-request sampling, so a
-    recompute after preemption draws the same tokens).
+    recompute after preemption draws the same tokens). `token_ids == (PENDING_TOKEN,)` is a decode planned
+    while the step that samples its token still ran (`pending`).
     """
 
     request_id: str
@@ -85,6 +91,11 @@ class Chunk:
     # tokens [0, start) of the request, sent with a penalized request's first sampling chunk after admission
     # (SamplingParams.needs_history): the rank keeps its token counts from there (None: not sent)
     history: tuple[int, ...] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the token is the one the previous step sampled, not known when the plan was built."""
+        return self.token_ids == (PENDING_TOKEN,)
 
 
 @dataclass(frozen=True)

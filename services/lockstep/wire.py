@@ -69,7 +69,9 @@ def _check_chunk(chunk: Chunk, where: str) -> None:
     if chunk.history is not None and len(chunk.history) != chunk.start:
         raise WireError(f"{where} ({chunk.request_id!r}): a history holds the {chunk.start} tokens before the chunk, "
                         f"got {len(chunk.history)}")
-    negative = [t for t in (*chunk.token_ids, *(chunk.history or ())) if t < 0]
+    if chunk.pending and not (chunk.sample and chunk.history is None):
+        raise WireError(f"{where} ({chunk.request_id!r}): a pending token is a decode that samples, without history")
+    negative = [t for t in (*(() if chunk.pending else chunk.token_ids), *(chunk.history or ())) if t < 0]
     if negative:
         raise WireError(f"{where} ({chunk.request_id!r}): token ids must be >= 0, got {negative[0]}")
 

@@ -71,6 +71,7 @@ class ControlPlaneConfig:
     page_size: int = 16
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = True
+    overlap: bool = True  # plans built ahead of the last step's reports (the coordinator's default)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -220,7 +221,7 @@ async def run_batch(addresses: list[str], cfg: ControlPlaneConfig, profiler: cPr
     pages are released on every rank."""
     config = CoordinatorConfig(groups={GROUP: tuple(addresses)}, page_size=cfg.page_size,
                                max_num_batched_tokens=cfg.step_budget,
-                               max_num_seqs=cfg.batch, prefix_caching=cfg.prefix_caching,
+                               max_num_seqs=cfg.batch, prefix_caching=cfg.prefix_caching, overlap=cfg.overlap,
                                max_waiting_requests=max(1024, cfg.batch), dead_rank_timeout=60.0)
     coordinator = Coordinator(config, _word_tokenizer(), MODEL_ID, cfg.max_model_len)
     coordinator.start()

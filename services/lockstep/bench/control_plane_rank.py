@@ -37,7 +37,7 @@ from lockstep.model.kv_cache import KVCache
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.rank import service
 from lockstep.rank.main import RankConfig, run
-from lockstep.steps import Chunk, PromptLogprobs, Sampled
+from lockstep.steps import Chunk, Plan, PromptLogprobs, Sampled
 
 log = logging.getLogger("lockstep.bench.control_plane_rank")
 
@@ -86,11 +86,20 @@ class NoopForwardEngine(Engine):
     def _group_refuses(self, step: int, error: str) -> bool:
         return super()._group_refuses(step, error) if self.agreement else bool(error)
 
+    def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
+        if self.agreement:
+            return super()._pending_tokens(plan, error)
+        return [self._draw(c.request_id, c.sampling.seed, c.sample_index - 1) for c in plan.batch if c.pending], error
+
+    def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
+        return super()._agree(step, error, drawn) if self.agreement else (bool(error), drawn)
+
+    def _draw(self, request_id: str, seed: int | None, index: int) -> int:
+        return FIRST_TOKEN + sample_seed(request_id, seed, index) % (self.config.vocab_size - FIRST_TOKEN)
+
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
-        span = self.config.vocab_size - FIRST_TOKEN
-        sampled = tuple(
-            Sampled(c.request_id, FIRST_TOKEN + sample_seed(c.request_id, c.sampling.seed, c.sample_index) % span)
-            for c in batch if c.sample)
+        sampled = tuple(Sampled(c.request_id, self._draw(c.request_id, c.sampling.seed, c.sample_index))
+                        for c in batch if c.sample)
         for chunk in batch:
             self.cache.advance(chunk)
         return sampled, ()

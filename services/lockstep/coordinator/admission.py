@@ -97,6 +97,19 @@ class AdmissionControl:
         self.capacity = {name: [_pool(r, name).total for r in reports] for name in names}
         self.seqs_left = max_num_seqs - num_running
         self.tokens_left = max_num_batched_tokens
+        self._start = {name: list(room) for name, room in self.room.items()}
+        self._overdrawn = False  # some room below zero (only `charge` can make it so): no page-free shortcut
+
+    def charge(self, spent: Mapping[str, Sequence[int]]) -> None:
+        """Count the pages a plan still in flight takes (for a plan built ahead of that plan's reports)."""
+        for name, pages in spent.items():
+            self.room[name] = [h - p for h, p in zip(self.room[name], pages, strict=True)]
+        self._start = {name: list(room) for name, room in self.room.items()}
+        self._overdrawn = any(h < 0 for room in self.room.values() for h in room)
+
+    def spent(self) -> dict[str, list[int]]:
+        """Pages this step took in each pool of each rank: what a plan built ahead of its reports charges."""
+        return {name: [a - b for a, b in zip(self._start[name], room, strict=True)] for name, room in self.room.items()}
 
     @property
     def ranks(self) -> int:
@@ -137,6 +150,10 @@ class AdmissionControl:
         n = min(num_tokens, self.tokens_left)
         if n <= 0:
             return 0
+        ps = self.page_size
+        if -(-(num_computed + n) // ps) == -(-num_computed // ps) and not self._overdrawn:
+            self.tokens_left -= n  # within the pages it holds (most decodes): nothing to count per rank
+            return n
         pages = min(self.headroom)
         n = min(n, (pages_for(num_computed, self.page_size) + pages) * self.page_size - num_computed)
         if n <= 0:

@@ -39,6 +39,7 @@ class CoordinatorConfig:
     dead_rank_timeout: float = 30.0
     replay_timeout: float = 300.0
     prefix_caching: bool = True
+    overlap: bool = True  # --no-overlap: build each plan only from the reports of the step before (no plan ahead)
     routing: str = "prefix"  # which group a new request goes to: `prefix` (cache-aware) or `least-loaded`
     rebalance_enabled: bool = True  # --no-rebalance: the pool split stays where the ranks started it
     rebalance_interval_steps: int = 10
@@ -101,6 +102,9 @@ SCHEDULING = (
             "(0: 503 at once when no other group is up)", within(0, 86400)),
     Setting("prefix_caching", "--no-prefix-caching", "LOCKSTEP_PREFIX_CACHING", default=True,
             help="turn prefix caching off", switch=True, flag_value=False),
+    Setting("overlap", "--no-overlap", "LOCKSTEP_OVERLAP", default=True,
+            help="turn overlap scheduling off (the next plan is built while the ranks run a step)", switch=True,
+            flag_value=False),
     Setting("shutdown_grace", "--shutdown-grace", "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", number, 5.0,
             "on Ctrl-C / SIGTERM, how long the requests in flight may still run before the coordinator stops "
             "(a second signal stops it at once)", within(0, 3600)),

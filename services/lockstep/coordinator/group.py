@@ -37,11 +37,14 @@ class StepTiming(NamedTuple):
     """Where one step's time went, so the coordinator's own time can be told from the wait for ranks."""
 
     batch: int  # chunks in the plan's batch
-    plan_s: float
+    plan_s: float  # building and sending the plan while no step ran (0 for a plan built ahead)
     send_s: float
     wait_s: float  # the agreement wait
     apply_s: float
     engine_s: float  # the slowest rank's own time for the step
+    # building and sending the next plan while this step ran (overlap; 0: none was sent, the next plan waits for
+    # these reports). Then the ranks run that plan while these reports are applied, so apply_s is hidden too.
+    ahead_s: float = 0.0
 
 
 class GroupRunner:
@@ -58,8 +61,10 @@ class GroupRunner:
         stall_threshold: float = 5.0,
         dead_rank_timeout: float = 30.0,
         rank_auth: RankClientAuth | None = None,
+        overlap: bool = True,
     ) -> None:
         self.name = name
+        self.overlap = overlap  # build plan k + 1 while the ranks run step k, where the scheduler can
         self.ranks = GroupRanks(name, addresses, metrics, stall_threshold, dead_rank_timeout, rank_auth)
         self.metrics = metrics
         self.on_events = on_events
@@ -77,6 +82,7 @@ class GroupRunner:
         self.flush_asked: dict[int, asyncio.Future] = {}  # flushes not yet in a plan, by rank
         self.flush_sent: dict[int, asyncio.Future] = {}  # flushes in the plan in flight
         self.last_reports: list[Report] = []
+        self.in_flight: Plan | None = None  # a plan sent whose reports were not taken in yet
         self.release_all = False
         self.capacity_tokens = 0  # tokens the smallest full pool holds: the most one request can use (0: any)
         self.page_size = 1
@@ -194,6 +200,7 @@ class GroupRunner:
     def _come_up(self, infos: list[RankInfo]) -> None:
         self.step = max(i.last_step for i in infos) + 1
         self.last_reports = []
+        self.in_flight = None
         self.release_all = True
         self.up = True
         self.down_reason = ""
@@ -214,7 +221,8 @@ class GroupRunner:
     async def _loop(self) -> None:
         try:
             while True:
-                if not self.scheduler.has_work() and not self.flush_asked and self.last_reports:
+                if (not self.scheduler.has_work() and not self.flush_asked and self.last_reports
+                        and self.in_flight is None):
                     self.migrate_asked = False  # nothing left to move
                     self.wakeup.clear()
                     await self.ranks.idle(self.wakeup)
@@ -228,22 +236,33 @@ class GroupRunner:
             self._go_down(f"group {self.name} failed: {exc}")
 
     async def _run_step(self) -> None:
-        t0 = time.perf_counter()
-        plan = self._next_plan()
-        t_plan = time.perf_counter()
-        self.ranks.send(plan, set(self.flush_sent))
-        t_sent = time.perf_counter()
+        """One step: its plan (built now, or ahead while the last step ran), the next plan built ahead where the
+        scheduler can (overlap), the agreement wait, and the reports taken in."""
+        t0 = t_plan = t_sent = time.perf_counter()
+        plan = self.in_flight
+        if plan is None:
+            plan = self._next_plan()
+            t_plan = time.perf_counter()
+            self.ranks.send(plan, set(self.flush_sent))
+            t_sent = time.perf_counter()
+        self.in_flight = self._plan_ahead(plan)
+        t_ahead = time.perf_counter()
         reports = await self.ranks.gather(plan.step)
         t_reports = time.perf_counter()
-        self._observe(plan, reports, t_reports - t_sent)
+        self._observe(plan, reports, t_reports - t_ahead)
         self._apply(reports)
         t_end = time.perf_counter()
         self.metrics.step_duration.labels(self.name).observe(t_end - t0)
-        self.step_timings.append(StepTiming(len(plan.batch), t_plan - t0, t_sent - t_plan, t_reports - t_sent,
-                                            t_end - t_reports, max(r.timings.step_s for r in reports)))
+        ahead_s = t_ahead - t_sent if self.in_flight is not None else 0.0  # a check that found none: plan time
+        exposed = t_ahead - t0 - ahead_s + (0.0 if ahead_s else t_end - t_reports)  # no plan ran on the ranks
+        self.metrics.coordinator_seconds.labels(self.name, "exposed").inc(exposed)
+        self.metrics.coordinator_seconds.labels(self.name, "hidden").inc(t_ahead - t0 + t_end - t_reports - exposed)
+        self.step_timings.append(StepTiming(len(plan.batch), t_ahead - t0 - ahead_s - (t_sent - t_plan),
+                                            t_sent - t_plan, t_reports - t_ahead, t_end - t_reports,
+                                            max(r.timings.step_s for r in reports), ahead_s))
         self.steps_run += 1
         self.step += 1
-        if self.migrate_asked:  # a step boundary: nothing is in flight
+        if self.migrate_asked and self.in_flight is None:  # a step boundary with nothing in flight
             self.migrate_asked = False
             self.on_down(self.name, self.scheduler.hand_over(), f"group {self.name} is draining")
 
@@ -253,6 +272,16 @@ class GroupRunner:
         if self.release_all:
             plan, self.release_all = dataclasses.replace(plan, release_all=True), False
         return plan
+
+    def _plan_ahead(self, plan: Plan) -> Plan | None:
+        """Send the plan after `plan` now, while the ranks run it, where the scheduler can build it without its
+        reports (scheduler.plan_ahead); a flush, a migration or a first plan after (re)connecting waits."""
+        if not self.overlap or self.flush_asked or self.migrate_asked or plan.release_all:
+            return None
+        ahead = self.scheduler.plan_ahead(plan.step + 1)
+        if ahead is not None:
+            self.ranks.send(ahead, set())
+        return ahead
 
     def _observe(self, plan: Plan, reports: list[Report], wait_s: float) -> None:
         """What the reports say before the scheduler reads them: flushes done, refusals, pool gauges."""
@@ -302,7 +331,8 @@ class GroupRunner:
         for rank in range(len(self.ranks)) if ranks is None else ranks:
             self.metrics.rank_up.labels(self.name, str(rank)).set(0)
         if ranks:
-            self.ranks.poke_survivors(ranks, self.step + 1)
+            self.ranks.poke_survivors(ranks, self.step + 1 + (self.in_flight is not None))
+        self.in_flight = None
         for fut in [*self.flush_sent.values(), *self.flush_asked.values()]:
             if not fut.done():
                 fut.set_exception(GroupDown(reason))

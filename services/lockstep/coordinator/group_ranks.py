@@ -73,6 +73,7 @@ class GroupRanks:
         self.stall_threshold = stall_threshold
         self.dead_rank_timeout = dead_rank_timeout
         self.inbox: asyncio.Queue = asyncio.Queue()
+        self.early: list[Report] = []  # reports of a later step that came during a wait (a plan sent ahead)
 
     def __len__(self) -> int:
         return len(self.links)
@@ -106,6 +107,7 @@ class GroupRanks:
         metadata): only then has the rank ended the older streams, so no plan queued on them starts after
         the Info read that follows. Returns why the group cannot go on, or ""."""
         self.inbox = asyncio.Queue()
+        self.early = []
         for link in self.links:
             await link.open(self.inbox)
         acks = [asyncio.ensure_future(link.call.initial_metadata()) for link in self.links]
@@ -179,6 +181,12 @@ class GroupRanks:
     async def gather(self, step: int) -> list[Report]:
         """Every rank's report of `step`, in rank order: the agreement wait."""
         wait = AgreementWait(step, list(range(len(self.links))), time.monotonic())
+        early, self.early = self.early, []
+        for report in early:
+            if report.step == step:
+                wait.record(report)
+            elif report.step > step:
+                self.early.append(report)
         stalled = False
         t0 = time.perf_counter()
         try:
@@ -190,6 +198,8 @@ class GroupRanks:
                     continue
                 if isinstance(item, str):
                     raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
+                if item.step > step:  # a rank already answered the plan sent ahead: it is the next wait's
+                    self.early.append(item)
                 wait.record(item)  # a duplicate or a stale step's report is ignored, never waited for again
         finally:
             if stalled:

@@ -93,6 +93,11 @@ class Metrics:
             "lockstep_step_duration_seconds", "Wall time of one step of a group", ["group"],
             buckets=WAIT_BUCKETS, registry=r,
         )
+        self.coordinator_seconds = Counter(
+            "lockstep_coordinator_seconds_total", "The step loop's own time (planning, sending, applying reports): "
+            "`hidden` while the ranks ran a plan sent ahead (overlap scheduling), `exposed` while none ran",
+            ["group", "part"], registry=r,
+        )
         self._add_group_lifecycle(r)
 
     def _add_group_lifecycle(self, r: CollectorRegistry) -> None:
@@ -134,6 +139,8 @@ class Metrics:
         for reason in DEFERRAL_REASONS:
             self.admission_deferred.labels(group, reason)
         self.preemptions.labels(group)
+        for part in ("hidden", "exposed"):
+            self.coordinator_seconds.labels(group, part)
         for state in ("waiting", "running"):
             self.requests.labels(group, state).set(0)
         for hist in (self.ttft, self.itl, self.request_duration, self.step_duration):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from lockstep.kv.page_keys import page_keys
-from lockstep.steps import Chunk, PromptLogprobs, SamplingParams, TokenLogprobs
+from lockstep.steps import PENDING_TOKEN, Chunk, PromptLogprobs, SamplingParams, TokenLogprobs
 
 SEED_MASK = (1 << 63) - 1
 GREEDY = SamplingParams()
@@ -169,11 +169,19 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def chunk(self, n: int) -> Chunk:
+    def chunk(self, n: int, start: int | None = None, pending: bool = False) -> Chunk:
         """The chunk of the next `n` uncomputed tokens. A penalized request's first sampling chunk since it was
-        (re)admitted carries its tokens before the chunk, from which the ranks count penalties (Chunk.history)."""
-        start = self.num_computed
+        (re)admitted carries its tokens before the chunk, from which the ranks count penalties (Chunk.history).
+
+        Planned ahead (overlap), the chunk starts at `start`, where the plan in flight leaves the request, and
+        with `pending` that plan samples a token not known yet: the chunk is that one token, as PENDING_TOKEN.
+        """
+        start = self.num_computed if start is None else start
         end = start + n
+        if pending:
+            if start != self.num_tokens or n != 1:
+                raise ValueError(f"{self!r}: a pending token is the one token at position {self.num_tokens}")
+            return Chunk(self.request_id, (PENDING_TOKEN,), start, True, self.sampling, len(self.generated) + 1)
         k, next_token = self.prompt_scoring(start, end)  # echo's prompt logprobs, where still to compute
         sample = end == self.num_tokens
         history = None

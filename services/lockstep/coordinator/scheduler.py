@@ -14,25 +14,27 @@ Calling protocol (one group, one thread):
     ... every rank carries out `plan` and reports ...
     events = scheduler.apply(reports)       # tokens, finishes, preemptions of step k
 
-Every plan must be carried out and applied before the next one is built. Events decided while
-planning step k (preemptions, requests that can never fit) are returned by apply() of step k.
+Every plan must be carried out and applied before the next one is built from reports, except one built
+ahead: `plan_ahead(k + 1)` while plan k is in flight carries the running requests on (lookahead.py), and
+apply() takes the reports of the plans in flight in order. Events decided while planning are returned by
+the next apply().
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from itertools import islice
+from dataclasses import dataclass, field
 
-from lockstep.coordinator.admission import AdmissionControl, Decision
-from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
+from lockstep.coordinator.admission import AdmissionControl
+from lockstep.coordinator.admitting import Admitting
+from lockstep.coordinator.agreement import ProbeBook
 from lockstep.coordinator.events import Event, EventKind
-from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
+from lockstep.coordinator.lookahead import chunks_ahead
 from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
-from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer, Report
+from lockstep.steps import Admit, Chunk, Plan, Report
 
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
 
@@ -49,7 +51,7 @@ class SchedulerStats:
     failed_steps: int = 0
 
 
-class Scheduler:
+class Scheduler(Admitting):
     """The pure decision core of one group of `ranks` ranks."""
 
     def __init__(
@@ -96,7 +98,11 @@ class Scheduler:
         self._releases: list[str] = []
         self._events: list[Event] = []
         self._last_plan: Plan | None = None
+        self._flight: deque[Plan] = deque()  # plans built and not applied yet, oldest first
+        self._spent: dict[str, list[int]] = {}  # the pages the last plan takes, per pool and rank
+        self._after_refusal = -1  # a plan built ahead of a step that was then refused: refused in turn
         self._applied: int | None = None
+        self._reports: list[Report] = []  # the last applied reports, pools filled in
         self._refused_in_a_row = 0
         self._pools = LastPools()
 
@@ -157,6 +163,7 @@ class Scheduler:
         events = [self._preempt(req, self._releases, counted=False) for req in reversed(self.running)]
         self._events.clear()
         self._last_plan = None
+        self._flight.clear()
         self._applied = None
         self._book = ProbeBook()
         return events
@@ -202,22 +209,20 @@ class Scheduler:
             move = self.rebalancer.decide(step, now, reports)
         if move is not None:
             self._move = move
-            self._last_plan = Plan(step, releases=tuple(dict.fromkeys(releases)),
+            return self._sent(Plan(step, releases=tuple(dict.fromkeys(releases)),
                                    pool_split=tuple(sorted((move.split or {}).items())),
-                                   pool_fence=tuple(sorted((move.fence or {}).items())))
-            return self._last_plan
+                                   pool_fence=tuple(sorted((move.fence or {}).items()))), {})
         batch: dict[str, Chunk] = {}
         admits: list[Admit] = []
+        spent: dict[str, list[int]] = {}
         if reports:
-            control = AdmissionControl(
-                reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens, len(self.running),
-                self.window,
-            )
+            control = self._control(reports)
             preempted = self._schedule_running(control, batch, releases)
             if preempted:
                 self.stats.deferred["pages"] += 1
             else:
                 self._admit_waiting(control, batch, admits, reports[0].step, flush)
+            spent = control.spent()
         probes = self._probes(step, batch) if self.prefix_caching else []
         plan = Plan(
             step=step,
@@ -226,13 +231,40 @@ class Scheduler:
             batch=tuple(batch.values()),
             probes=tuple(probes),
         )
-        self._last_plan = plan
+        return self._sent(plan, spent)
+
+    def plan_ahead(self, step: int) -> Plan | None:
+        """Plan `step` while the plan before it is in flight (overlap), from the last applied reports and what
+        that plan takes; None when the next plan must wait for its reports: something waits to be admitted
+        (with seats for it), some request cannot grow or scores its prompt, the group rebalances, or the plan
+        in flight was not a plain work step."""
+        last = self._last_plan
+        if (len(self._flight) != 1 or last.step + 1 != step or not last.batch or last.step == self._after_refusal
+                or not self._reports or self.rebalancer is not None
+                or self.waiting and len(self.running) < self.max_num_seqs
+                or any(r.scoring_prompt for r in self.running)):
+            return None
+        control = self._control(self._reports)
+        control.charge(self._spent)
+        batch = chunks_ahead(self.running, last, control)
+        if not batch:
+            return None
+        releases, self._releases = tuple(dict.fromkeys(self._releases)), []
+        return self._sent(Plan(step, releases=releases, batch=tuple(batch.values())), control.spent())
+
+    def _sent(self, plan: Plan, spent: dict[str, list[int]]) -> Plan:
+        self._last_plan, self._spent = plan, spent
+        self._flight.append(plan)
         return plan
 
+    def _control(self, reports: list[Report]) -> AdmissionControl:
+        return AdmissionControl(reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens,
+                                len(self.running), self.window)
+
     def _check_plan_reports(self, step: int, reports: Sequence[Report]) -> list[Report]:
+        if self._flight:
+            raise ValueError(f"plan {self._flight[0].step} was not applied: call apply() with its reports first")
         last = self._last_plan
-        if last is not None and self._applied != last.step:
-            raise ValueError(f"plan {last.step} was not applied: call apply() with its reports first")
         return plan_reports(step, reports, None if last is None else last.step, self.ranks)
 
     def _schedule_running(self, control: AdmissionControl, batch: dict[str, Chunk], releases: list[str]) -> bool:
@@ -277,88 +309,6 @@ class Scheduler:
         self.stats.preemptions += counted
         return Event(req.request_id, PREEMPTED)
 
-    def _probe_pages(self, req: Request) -> int:
-        """Pages worth probing: full pages of its tokens, short of the last token that must be computed; none
-        while its prompt is being scored (prompt logprobs), as a cached position is never computed."""
-        return (req.num_tokens - 1) // self.page_size if self.prefix_caching and not req.scoring_prompt else 0
-
-    def _admit_waiting(
-        self,
-        control: AdmissionControl,
-        batch: dict[str, Chunk],
-        admits: list[Admit],
-        report_step: int,
-        flush: bool,
-    ) -> None:
-        for req in list(self.waiting):  # a request held for a prefix being computed is passed over, in place
-            too_large = control.too_large(req.max_positions)
-            if too_large:
-                event = self._finish(req, FinishReason.ERROR, f"request {req.request_id} {too_large}")
-                self._events.append(replace(event, retriable=False))
-                continue
-            if min(control.seqs_left, control.tokens_left) > 0 and self._held(req):  # full: none passes it
-                self.stats.deferred[PREFIX_PENDING] += 1
-                continue
-            answers: list[ProbeAnswer | None] = []
-            agreed = 0
-            ready = True
-            if self._probe_pages(req) > 0 and not flush:
-                ready = self._book.waiting_on(req.request_id) == report_step and self._book.complete(
-                    req.request_id, self.ranks
-                )
-                if ready:
-                    answers = self._book.answers(req.request_id, self.ranks)
-                    agreed = agreed_prefix_pages(answers, req.num_tokens, self.page_size, self.window)
-            decision = control.consider(req.num_tokens, agreed, answers, ready)
-            if not decision.admit:
-                self.stats.deferred[decision.reason] += 1
-                return
-            self._admit(req, agreed, answers, decision, batch, admits)
-
-    def _admit(
-        self,
-        req: Request,
-        agreed: int,
-        answers: list[ProbeAnswer | None],
-        decision: Decision,
-        batch: dict[str, Chunk],
-        admits: list[Admit],
-    ) -> None:
-        self.waiting.remove(req)
-        self._book.consume(req.request_id, self.ranks)
-        if answers:
-            for r, a in enumerate(answers):
-                self.stats.prefix_offered_pages[r] += a.matched_pages if a is not None else 0
-        keys = req.page_keys(agreed, self.page_size, self.salt)
-        prefix = agreed * self.page_size
-        if req.num_preemptions == 0:
-            req.cached_tokens = prefix
-        self.stats.prefix_agreed_pages += agreed
-        self.stats.prefix_hit_tokens += prefix
-        req.status = RequestStatus.RUNNING
-        req.num_computed = prefix
-        self.running.append(req)
-        admits.append(Admit(req.request_id, keys))
-        batch[req.request_id] = req.chunk(decision.num_tokens)
-
-    def _held(self, req: Request, computed: dict[str, int] | None = None) -> bool:
-        """Whether a running request has still to compute pages of req's prompt, so req waits for their commit."""
-        pages = self._probe_pages(req)
-        return computing_sibling(req, self.running, pages, self.page_size, self.salt, computed) is not None
-
-    def _probes(self, step: int, batch: dict[str, Chunk]) -> list[Probe]:
-        """Probe the requests that may be admitted next: the head of the queue, up to the free seats, passing
-        over those still held once this step has run (their answers would be stale by their admission)."""
-        after = {rid: c.start + len(c.token_ids) for rid, c in batch.items()}
-        window = max(1, self.max_num_seqs - len(self.running))
-        probes = []
-        for req in islice((r for r in self.waiting if not self._held(r, after)), window):
-            pages = self._probe_pages(req)
-            if pages > 0:
-                self._book.ask(req.request_id, step)
-                probes.append(Probe(req.request_id, req.page_keys(pages, self.page_size, self.salt)))
-        return probes
-
     # ----- reports
 
     def apply(self, reports: Sequence[Report]) -> list[Event]:
@@ -371,15 +321,17 @@ class Scheduler:
         """
         if not reports:
             raise ValueError("apply() needs the reports of every rank")
-        plan = self._last_plan
+        plan = self._flight[0] if self._flight else None
         ordered = in_rank_order(reports, self.ranks)
         step = ordered[0].step
         if self._applied is not None and step <= self._applied:
             return []
         if plan is None or step != plan.step:
-            expected = "no plan is in flight" if plan is None else f"the last plan was step {plan.step}"
+            expected = "no plan is in flight" if plan is None else f"the oldest plan in flight is step {plan.step}"
             raise ValueError(f"reports of step {step} do not answer a plan in flight ({expected})")
+        self._flight.popleft()
         self._applied = step
+        self._reports = self._pools.fill(ordered)
         events, self._events = self._events, []
         failed = [r for r in ordered if r.error]
         if (plan.pool_split or plan.pool_fence) and self.rebalancer is not None:
@@ -392,6 +344,11 @@ class Scheduler:
         return events
 
     def _apply_failure(self, plan: Plan, reports: list[Report], failed: list[Report], events: list[Event]) -> None:
+        if plan.step == self._after_refusal:  # built ahead of a refused step, so refused with it: nothing ran
+            self._releases.extend(plan.releases)
+            return
+        if self._flight:
+            self._after_refusal = self._flight[0].step
         self.stats.failed_steps += 1
         self._refused_in_a_row += 1
         message = f"step {plan.step} refused: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed)

@@ -108,7 +108,7 @@ class Coordinator:
     def _add_group(self, name: str, addresses: tuple[str, ...]) -> None:
         cfg = self.config
         runner = GroupRunner(name, list(addresses), self.metrics, self._dispatch, self._replay, self._group_up,
-                             cfg.stall_threshold, cfg.dead_rank_timeout, cfg.rank_auth)
+                             cfg.stall_threshold, cfg.dead_rank_timeout, cfg.rank_auth, cfg.overlap)
         runner.start(self._make_scheduler)
         self.groups[name] = runner
         self.group_addresses[name] = tuple(addresses)

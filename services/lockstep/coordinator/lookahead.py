@@ -1,0 +1,42 @@
+"""Overlap scheduling: the plan of step k+1, built while the ranks still run step k.
+
+The plan in flight is known, its outcome is not: every request it samples for will hold one more token
+whose value only its report tells. A plan built ahead names that token as pending (Chunk.pending: each rank
+takes the token the sampling rank drew, carried by the step's agreement collective) and counts pages as if
+step k took everything it may take and freed nothing. It only carries running requests on: admissions
+(whose probe answers must come from the step just before), preemptions and rebalances (which need the
+ranks' latest counts) wait for a plan built from the reports. So every decision is still made once, by the
+coordinator, from the reports of all ranks; a request that step k ends (a stop token, a cancellation) costs
+one wasted decode at most, whose token is never sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lockstep.coordinator.admission import AdmissionControl
+from lockstep.coordinator.request import Request
+from lockstep.steps import Chunk, Plan
+
+
+def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: AdmissionControl) -> dict[str, Chunk] | None:
+    """The next chunk of each running request after the plan in flight, its pages taken from `control` (which
+    holds what that plan takes already); None when some request could not grow, since only a plan built
+    from the reports may preempt."""
+    flying = {c.request_id: c for c in in_flight.batch}
+    batch: dict[str, Chunk] = {}
+    for req in running:
+        c = flying.get(req.request_id)
+        start = req.num_computed if c is None else c.start + len(c.token_ids)
+        pending = c is not None and c.sample
+        if pending and len(req.generated) + 1 >= req.max_tokens:
+            continue  # the plan in flight samples its last token
+        left = req.num_tokens + pending - start
+        if left <= 0:
+            continue
+        n = control.grow(start, left)
+        if n:
+            batch[req.request_id] = req.chunk(n, start, pending)
+        elif control.tokens_left > 0:
+            return None
+    return batch

@@ -1,0 +1,110 @@
+"""Overlap scheduling (coordinator/lookahead.py, Scheduler.plan_ahead): plan k + 1 is built while step k runs,
+and every output stays what the one-plan-at-a-time scheduler gives, with nothing leaked."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from lockstep.coordinator.request import Request
+from lockstep.coordinator.scheduler import FINISHED, TOKEN
+from lockstep.steps import PENDING_TOKEN, SamplingParams
+from sim_ranks import Group, make_sched, reference
+from test_scheduler_random import Workload, drive, seeded_pressure, workloads
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_runs_with_overlap_finish_every_request_with_the_reference_tokens(w: Workload):
+    w.overlap = True
+    drive(w)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_reference(seed: int):
+    g = drive(seeded_pressure(seed, [14, 10, 18], overlap=True))
+    assert g.ahead_plans > 0  # mostly not: under this pressure a request nearly always waits with a seat free
+    assert g.sched.stats.preemptions > 0
+
+
+def _decode_group(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> tuple[Group, list[Request]]:
+    sched = make_sched(ranks=2, budget=32, seqs=n)
+    g = Group(sched, [64, 64], overlap=True)
+    reqs = [Request(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(), max_tokens, stop) for i in range(n)]
+    for r in reqs:
+        sched.add(r)
+    return g, reqs
+
+
+def test_steady_decode_is_planned_ahead_with_pending_tokens():
+    g, reqs = _decode_group(3, 12)
+    g.run()
+    ahead = [p for p in g.plans if any(c.pending for c in p.batch)]
+    assert len(ahead) >= 9  # every decode after the first of each request
+    for p in ahead:
+        assert not p.admits and not p.probes
+        assert all(c.token_ids == (PENDING_TOKEN,) and c.sample for c in p.batch if c.pending)
+    for r in reqs:
+        assert r.generated == reference(r) and r.finish_reason == "length"
+    # max_tokens is known: no decode is planned past a request's last token
+    assert sum(len(c.token_ids) for p in g.plans for c in p.batch if c.request_id == "r0") == 5 + 12 - 1
+
+
+def test_a_stop_token_costs_at_most_one_wasted_decode_that_is_never_sent():
+    probe = Request("x", [1, 2, 3, 4, 5], SamplingParams(), 12)
+    stop_at = reference(probe)[3]  # the fourth token stops the request
+    g, (req,) = _decode_group(1, 12, (stop_at,))
+    g.run()
+    want = reference(req)
+    assert req.generated == want and req.finish_reason == "stop"
+    tokens = [e.token_id for e in g.events if e.kind == TOKEN]
+    assert tokens == want
+    decodes = sum(1 for p in g.plans for c in p.batch if c.request_id == req.request_id)
+    assert decodes <= len(want) + 1  # the prefill sampled the first token; one decode at most was wasted
+    for r in g.ranks:
+        r.assert_idle()
+
+
+def test_cancelling_with_a_plan_in_flight_leaks_nothing():
+    g, reqs = _decode_group(2, 30)
+    for _ in range(4):
+        g.run_step()
+    assert g.ahead is not None and any(c.request_id == "r0" for c in g.ahead.batch)
+    ended = g.sched.abort("r0")  # the client goes away while a plan with its decode is in flight
+    assert [e.kind for e in ended] == [FINISHED]
+    seen = len(g.events)
+    g.run()  # that plan runs; its token for r0 is dropped, and the next plan releases r0 on every rank
+    assert not [e for e in g.events[seen:] if e.request_id == "r0"]
+    assert reqs[0].finish_reason == "abort"
+    assert reqs[1].generated == reference(reqs[1])
+
+
+def test_a_refused_step_voids_the_plan_built_ahead_of_it_and_nothing_is_lost():
+    g, reqs = _decode_group(2, 10)
+    for _ in range(3):
+        g.run_step()
+    assert g.ahead is not None
+    g.run_step(refuse={1: "injected"})  # the step in flight is refused; the plan built ahead of it is void
+    assert g.refused_last and g.ahead is not None
+    g.run_step()  # the void plan: every rank refuses it, and it neither counts nor preempts
+    assert g.sched.stats.preemptions == 0 and g.sched.stats.failed_steps == 1
+    g.run()
+    for r in reqs:
+        assert r.generated == reference(r) and r.finish_reason == "length"
+
+
+def test_nothing_is_planned_ahead_while_a_waiting_request_could_be_admitted():
+    g, reqs = _decode_group(1, 20)
+    g.sched.max_num_seqs = 2
+    for _ in range(3):
+        g.run_step()
+    assert g.ahead is not None
+    late = Request("late", [9, 9, 9, 9, 9, 9], SamplingParams(), 4)
+    g.sched.add(late)
+    g.run_step()  # runs the plan built ahead; the next ones wait for their reports, to probe and admit `late`
+    while not any(a.request_id == "late" for a in g.plans[-1].admits):
+        assert g.ahead is None
+        g.run_step()
+        assert len(g.plans) < 10
+    g.run()
+    assert late.generated == reference(late) and reqs[0].generated == reference(reqs[0])

@@ -1,0 +1,61 @@
+"""Pending tokens on real ranks (engine.py): a decode planned before its token was sampled runs on the token the
+sampling rank drew, which reaches every rank in the step's agreement collective (real torch.distributed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import random_prompt as prompt
+from lockstep.engine import Engine
+from lockstep.engine_config import EngineConfig
+from lockstep.local_group import LocalGroup
+from lockstep.steps import PENDING_TOKEN, Admit, Chunk, Plan, SamplingParams
+
+PS = 16
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+
+
+def _run(step_fn, prompts: dict[str, list[int]], n: int, pending: bool) -> dict[str, list[int]]:
+    """Prefill every prompt in one step, then n - 1 decode steps: with `pending`, each decode names the token of
+    the step before instead of its value, as a plan built ahead does."""
+    batch = tuple(Chunk(rid, tuple(p), 0, sample=True, sampling=SAMPLED) for rid, p in prompts.items())
+    reports = step_fn(Plan(0, admits=tuple(Admit(rid) for rid in prompts), batch=batch))
+    out = {s.request_id: [s.token_id] for s in reports[0].sampled}
+    for i in range(1, n):
+        batch = tuple(Chunk(rid, (PENDING_TOKEN,) if pending else (toks[-1],), len(prompts[rid]) + i - 1, True,
+                            SAMPLED, i) for rid, toks in out.items())
+        reports = step_fn(Plan(i, batch=batch))
+        assert all(not r.error for r in reports), [r.error for r in reports]
+        for s in reports[0].sampled:
+            out[s.request_id].append(s.token_id)
+    step_fn(Plan(n, releases=tuple(prompts)))
+    return out
+
+
+def test_tp2_pending_tokens_give_the_tokens_of_explicit_ones(tiny_llama):
+    prompts = {"a": prompt(1, 21), "b": prompt(2, 9)}
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
+        explicit = _run(group.step, prompts, 8, pending=False)
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
+        ahead = _run(group.step, prompts, 8, pending=True)
+        reports = group.step(Plan(9, probes=()))
+        assert [r.pools[0].used for r in reports] == [0, 0]
+    assert ahead == explicit and len(ahead["a"]) == 8
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    torch.set_num_threads(2)
+    return Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=64))
+
+
+def test_a_pending_token_after_a_refused_step_is_refused_with_a_reason(engine):
+    p = prompt(3, 10)
+    engine.step(Plan(0, admits=(Admit("c"),), batch=(Chunk("c", tuple(p), 0, sample=True),)))
+    refused = engine.step(Plan(1, admits=(Admit("c"),)))  # admitted twice: refused, so nothing was drawn
+    assert refused.error
+    report = engine.step(Plan(2, batch=(Chunk("c", (PENDING_TOKEN,), len(p), True, sample_index=1),)))
+    assert "no token drawn at step 1 for pending request c" in report.error
+    report = engine.step(Plan(3, releases=("c",)))
+    assert not report.error and report.pools[0].used == 0
