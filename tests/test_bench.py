@@ -16,7 +16,7 @@ REQUESTS, TOKENS = 6, 32
 def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["--tiny", "--requests", str(REQUESTS), "--concurrency", "3", "--max-tokens", str(TOKENS),
-               "--min-prompt", "5", "--max-prompt", "60", "--warmup", "1", "--json", str(out)])
+               "--min-prompt", "5", "--max-prompt", "60", "--warmup", "1", "--temperature", "0.8", "--json", str(out)])
     table = capsys.readouterr().out
     assert rc == 0, table
     report = json.loads(out.read_text())
@@ -36,7 +36,8 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
     assert served["parts"]["wait"]["p50_ms"] > 0
     comparison = report["comparison"]
     assert comparison["throughput_ratio"] > 0
-    assert comparison["identical_outputs"] == REQUESTS  # greedy: served and in-process agree token for token
+    # seeded sampling (request i with seed i): served and in-process draw the same tokens, token for token
+    assert comparison["identical_outputs"] == REQUESTS
     assert "served / in-process throughput" in table and "coordinator time / step p50" in table
 
 
@@ -55,6 +56,10 @@ def test_bad_arguments_are_refused(capsys):
     assert "positive integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--requests", "4"])  # neither --model nor --tiny
+    for bad in ("3", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--tiny", "--temperature", bad])
+        assert "temperature must be in [0, 2]" in capsys.readouterr().err
 
 
 def test_workload_is_deterministic_and_in_range():

@@ -166,3 +166,21 @@ def test_a_replayed_request_goes_only_to_a_group_that_can_hold_it_and_waits_othe
         assert coord.live["r0"].group == "small" and coord.live["r1"].group == "g0"
 
     asyncio.run(main())
+
+
+def test_a_report_of_the_plan_sent_ahead_that_comes_during_the_wait_is_kept_for_the_next_wait():
+    """With overlap a fast rank answers plan k + 1 before a slow one answers plan k: the early report is kept for
+    the next agreement wait (dropped, that wait would stall until the dead-rank timeout took the group down)."""
+
+    async def main() -> None:
+        runner = _runner()
+        inbox = runner.ranks.inbox
+        for item in (Report(4, 0), Report(5, 0), Report(4, 1), Report(5, 1)):
+            inbox.put_nowait((item.rank, item))
+        first = await asyncio.wait_for(runner.ranks.gather(4), 2)
+        assert [(r.step, r.rank) for r in first] == [(4, 0), (4, 1)]
+        second = await asyncio.wait_for(runner.ranks.gather(5), 2)
+        assert [(r.step, r.rank) for r in second] == [(5, 0), (5, 1)]
+        await runner.close()
+
+    asyncio.run(main())

@@ -42,6 +42,13 @@ lockstep bench --control-plane [--batch 8,64,256] [--tp 1,2] [--steps N] [--agre
 
 
 _positive = _int_at_least(1)
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 2:  # NaN too
+        raise argparse.ArgumentTypeError(f"the temperature must be in [0, 2], got {text}")
+    return value
 _non_negative = _int_at_least(0)
 
 
@@ -60,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-prompt", type=_positive, default=16)
     p.add_argument("--max-prompt", type=_positive, default=256)
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature of every request (0: greedy; above, request i is seeded with i, so "
+                        "both runs draw the same tokens)")
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--kv-pages", type=_positive, default=512, help="KV pages per rank")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
@@ -133,7 +143,7 @@ def _bench(argv: list[str]) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           prefix_caching=not args.no_prefix_caching, warmup=args.warmup)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
-                                 args.concurrency, vocab, args.seed)
+                                 args.concurrency, vocab, args.seed, args.temperature)
         if args.url:
             return _external(args, model_dir, workload)
         log_dir = args.log_dir or scratch / "logs"

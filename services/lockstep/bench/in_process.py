@@ -7,7 +7,7 @@ from collections import deque
 from pathlib import Path
 
 from lockstep.bench.report import RunResult
-from lockstep.bench.workload import BenchConfig, Workload, warmup_prompts
+from lockstep.bench.workload import BenchConfig, Workload, sampling_of, warmup_prompts
 
 
 def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> RunResult:
@@ -16,6 +16,7 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
     from lockstep.coordinator.scheduler import FINISHED, Scheduler
     from lockstep.kv.page_keys import key_salt
     from lockstep.local_group import LocalGroup
+    from lockstep.steps import SamplingParams
 
     result = RunResult("in-process", outputs=[None] * len(workload.prompts))
     with LocalGroup(str(model_dir), cfg.tp, page_size=cfg.page_size, kv_pages=cfg.kv_pages,
@@ -58,7 +59,7 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
         def submit() -> None:
             while pending and len(live) < workload.concurrency:
                 i, prompt = pending.popleft()
-                req = Request(f"bench-{i}", prompt, max_tokens=workload.max_tokens)
+                req = Request(f"bench-{i}", prompt, SamplingParams(**sampling_of(workload, i)), workload.max_tokens)
                 scheduler.add(req)
                 live[req.request_id] = (i, req, time.perf_counter())
 

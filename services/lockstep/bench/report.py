@@ -127,5 +127,5 @@ def format_table(report: dict) -> str:
         lines.append(f"served coordinator p50 at batch {batch}: "
                      + ("no such steps" if coord is None else f"{coord:.3f} ms")
                      + f" (target <= {c['coordinator_target_ms']:g} ms: {'met' if c['coordinator_met'] else 'MISSED'})")
-        lines.append(f"identical greedy outputs: {c['identical_outputs']}/{w['requests']}")
+        lines.append(f"identical outputs: {c['identical_outputs']}/{w['requests']}")
     return "\n".join(lines)

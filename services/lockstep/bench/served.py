@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from lockstep.bench.report import RunResult
-from lockstep.bench.workload import BenchConfig, Workload, warmup_prompts
+from lockstep.bench.workload import BenchConfig, Workload, sampling_of, warmup_prompts
 from lockstep.local_group import free_port
 from lockstep.local_ranks import rank_command, stop_processes
 
@@ -113,14 +113,15 @@ class ServedGroup:
         self.close()
 
 
-def _completion(prompt: tuple[int, ...], max_tokens: int) -> dict:
-    return {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+def _completion(workload: Workload, i: int, prompt: tuple[int, ...] | None = None) -> dict:
+    """Request i of the workload (or a warm-up prompt in its place), as the in-process run samples it."""
+    return {"prompt": list(workload.prompts[i] if prompt is None else prompt), "max_tokens": workload.max_tokens,
+            "ignore_eos": True, "return_token_ids": True, **sampling_of(workload, i)}
 
 
 def _warm_up(group: ServedGroup, workload: Workload, n: int) -> None:
     warm = [threading.Thread(target=group.request, args=("POST", "/v1/completions",
-                                                         _completion(p, workload.max_tokens)))
+                                                         _completion(workload, 0, p)))
             for p in warmup_prompts(workload, n)]
     for t in warm:
         t.start()
@@ -140,7 +141,7 @@ def _client(group: ServedGroup, workload: Workload, todo, lock: threading.Lock, 
             t0 = time.perf_counter()
             try:
                 status, body = group.request("POST", "/v1/completions",
-                                             _completion(workload.prompts[i], workload.max_tokens), conn=conn)
+                                             _completion(workload, i), conn=conn)
             except OSError as exc:
                 result.errors.append(f"request {i}: {type(exc).__name__}: {exc}")
                 conn.close()

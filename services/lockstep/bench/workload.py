@@ -25,10 +25,16 @@ class Workload:
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: int
     concurrency: int
+    temperature: float = 0.0  # > 0: request i samples with seed i, so both runs draw the same tokens
+
+
+def sampling_of(workload: Workload, i: int) -> dict:
+    """Request i's sampling fields, as the OpenAI API takes them."""
+    return {"temperature": workload.temperature} | ({"seed": i} if workload.temperature else {})
 
 
 def make_workload(requests: int, min_prompt: int, max_prompt: int, max_tokens: int, concurrency: int,
-                  vocab: int, seed: int = 0) -> Workload:
+                  vocab: int, seed: int = 0, temperature: float = 0.0) -> Workload:
     """Random token prompts of mixed lengths; ids start at 3 to stay clear of the usual special tokens."""
     if vocab <= 3:
         raise ValueError(f"the tokenizer has {vocab} ids; the benchmark needs more than 3")
@@ -36,7 +42,7 @@ def make_workload(requests: int, min_prompt: int, max_prompt: int, max_tokens: i
     prompts = tuple(
         tuple(rng.randrange(3, vocab) for _ in range(rng.randint(min_prompt, max_prompt))) for _ in range(requests)
     )
-    return Workload(prompts, max_tokens, concurrency)
+    return Workload(prompts, max_tokens, concurrency, temperature)
 
 
 def warmup_prompts(workload: Workload, n: int) -> list[tuple[int, ...]]:
