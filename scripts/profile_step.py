@@ -39,6 +39,7 @@ from lockstep.model.builtin import resolve_model  # noqa: E402
 from lockstep.steps import Admit, Chunk, Plan  # noqa: E402
 
 SPENT: dict[str, float] = defaultdict(float)  # every wrapped call's time
+BUILT: list[AttentionBatch] = []  # the last attention batch built, to show how decode attention grouped it
 PARTS: dict[str, float] = defaultdict(float)  # of it, what the timed decode steps spent
 
 
@@ -52,6 +53,23 @@ def _timed(name: str, fn: Callable) -> Callable:
     return wrapper
 
 
+def _recorded(build: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        BUILT[:] = [build(*args, **kwargs)]
+        return BUILT[0]
+    return wrapper
+
+
+def attention_layout(batch: AttentionBatch) -> str:
+    """How a full-attention layer serves the batch's decode rows: SDPA calls, and pages gathered (padding
+    included) against the pages the rows' keys fill: the two costs its grouping by KV length trades."""
+    groups = batch.single_gathers(None)
+    gathered = sum(g.pages.numel() for g in groups)
+    needed = sum(-(-(batch.starts[i] + 1) // batch.page_size) for i in batch.single_seqs)
+    return (f"decode attention per full layer: {len(groups)} SDPA call(s) over {len(batch.single_seqs)} rows, "
+            f"{gathered} pages gathered for {needed} holding keys")
+
+
 def instrument() -> None:
     """Wrap each part of the step in a timer (the parts do not nest, so their times add up)."""
     for cls, name in ((layers.ColumnParallelLinear, "GEMM: qkv / gate-up"), (layers.RowParallelLinear,
@@ -60,7 +78,7 @@ def instrument() -> None:
         cls.forward = _timed(name, cls.forward)
     llama_module.paged_attention = _timed("attention (paged, gathers incl.)", llama_module.paged_attention)
     llama_module.write_kv = _timed("KV writes", llama_module.write_kv)
-    AttentionBatch.build = staticmethod(_timed("attention batch build", AttentionBatch.build))
+    AttentionBatch.build = staticmethod(_timed("attention batch build", _recorded(AttentionBatch.build)))
     engine_module.sample = _timed("sampling", engine_module.sample)
     RankCache.prepare = _timed("page bookkeeping", RankCache.prepare)
     RankCache.finish = _timed("page bookkeeping", RankCache.finish)
@@ -157,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
     decode_plans(engine, prompts, args.steps, timed_step)
     _report(engine, args, step_s, prompts)
+    if BUILT:
+        print(attention_layout(BUILT[0]))
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         decode_plans(engine, prompts, 4, engine.step)

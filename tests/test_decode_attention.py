@@ -1,0 +1,106 @@
+"""Batched decode attention: many one-token sequences in few padded calls must still each see exactly their
+own positions (and window), for every GQA shape, against a plain per-sequence reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lockstep.model import attention
+from lockstep.model.attention import AttentionBatch, _length_groups, paged_attention
+
+TOL = 2e-5
+
+
+def reference(q, k_cache, v_cache, table, start, n, window, scale, page_size):
+    """Sequence by sequence, position by position: what every batched layout must reproduce."""
+    group = q.shape[1] // k_cache.shape[2]
+    slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(start + n)])
+    k = k_cache.reshape(-1, *k_cache.shape[2:])[slots]
+    v = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
+    out = torch.empty_like(q)
+    for j in range(n):
+        pos = start + j
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(q.shape[1]):
+            w = torch.softmax(k[lo: pos + 1, h // group] @ q[j, h] * scale, dim=0)
+            out[j, h] = w @ v[lo: pos + 1, h // group]
+    return out
+
+
+def run_case(spans, heads, kv_heads, window, page_size=4, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages = sum(math.ceil((s + n) / page_size) for s, n in spans) + 3
+    perm = torch.randperm(pages - 1, generator=gen).add(1).tolist()  # page 0 is never a sequence's
+    k_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
+    v_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
+    k_cache[0], v_cache[0] = 1e4, 1e4  # what padding gathers: any leak past the mask shows at once
+    tables = [[perm.pop() for _ in range(math.ceil((s + n) / page_size))] for s, n in spans]
+    total = sum(n for _, n in spans)
+    q = torch.randn(total, heads, d, generator=gen)
+    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, tables, strict=True)], page_size,
+                                 window=window)
+    got = paged_attention(q, k_cache, v_cache, batch, window, 0.3)
+    a = 0
+    for (s, n), t in zip(spans, tables, strict=True):
+        want = reference(q[a: a + n], k_cache, v_cache, t, s, n, window, 0.3, page_size)
+        torch.testing.assert_close(got[a: a + n], want, atol=TOL, rtol=TOL)
+        a += n
+    return batch
+
+
+LONG_AMONG_SHORT = [(s, 1) for s in (2, 5, 9, 11, 14, 3, 700, 8, 12, 1, 0, 6)]
+MIXED_LENGTHS = [(s, 1) for s in (0, 3, 17, 40, 41, 64, 90, 120, 150, 200, 260, 31, 77, 5)]
+WITH_PREFILL = [(0, 7), (40, 1), (3, 1), (10, 5), (99, 1), (0, 1), (57, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (9, 3), (6, 6), (16, 8)])
+@pytest.mark.parametrize("window", [None, 1, 5, 64])
+@pytest.mark.parametrize("spans", [LONG_AMONG_SHORT, MIXED_LENGTHS, WITH_PREFILL],
+                         ids=["long-among-short", "mixed", "with-prefill"])
+def test_batched_decode_sees_only_its_own_positions(spans, heads, kv_heads, window):
+    run_case(spans, heads, kv_heads, window)
+
+
+@pytest.mark.parametrize("call_tokens", [1, 10**9])
+def test_any_grouping_gives_the_same_answer(monkeypatch, call_tokens):
+    """One padded call for all rows, or one per distinct length: the masks, not the grouping, give the result."""
+    monkeypatch.setattr(attention, "GROUP_CALL_TOKENS", call_tokens)
+    batch = run_case(MIXED_LENGTHS, 9, 3, None, seed=3)
+    groups = batch.single_gathers(None)
+    assert (len(groups) == 1) == (call_tokens > 1)
+    assert sorted(i for g in groups for i in _group_seqs(batch, g)) == list(range(len(MIXED_LENGTHS)))
+
+
+def _group_seqs(batch, group):
+    starts = batch.query_offsets[:-1].tolist()
+    rows = range(batch.num_seqs) if group.rows is None else group.rows.tolist()
+    return [starts.index(r) for r in rows]
+
+
+def test_a_very_long_sequence_gets_its_own_group():
+    batch = run_case(LONG_AMONG_SHORT, 4, 2, None, page_size=16)
+    sizes = sorted(g.pages.shape[0] for g in batch.single_gathers(None))
+    assert sizes == [1, len(LONG_AMONG_SHORT) - 1]
+
+
+def test_length_groups_cover_every_sequence_once_longest_first():
+    pages = {i: p for i, p in enumerate([1, 50, 2, 2, 49, 3, 1, 300])}
+    groups = _length_groups(pages, call_pages=8)
+    assert sorted(i for g in groups for i in g) == sorted(pages)
+    assert groups[0] == [7]  # 300 pages: padding 7 others to it would cost far more than a call
+    firsts = [pages[g[0]] for g in groups]
+    assert firsts == sorted(firsts, reverse=True)
+    assert _length_groups({5: 4}, call_pages=8) == [[5]]
+
+
+def test_length_groups_stay_whole_past_the_dp_cap():
+    """Many distinct lengths (past the DP's 32 candidate cuts): still every sequence once, runs longest first."""
+    pages = {i: (i * 37) % 211 + 1 for i in range(300)}
+    groups = _length_groups(pages, call_pages=1)
+    assert sorted(i for g in groups for i in g) == sorted(pages)
+    assert 1 < len(groups) <= 32
+    flat = [pages[i] for g in groups for i in g]
+    assert flat == sorted(flat, reverse=True)
