@@ -92,6 +92,29 @@ def slow_pool_engine(cfg) -> PoolEngine:
     return PoolEngine(rank=cfg.rank, pages=cfg.kv_pages or PAGES)
 
 
+class ThreadNamingEngine(PoolEngine):
+    """A PoolEngine whose Info names the threads that built it and ran its steps (`lockstep rank` runs both on
+    one engine thread: two OpenMP teams made a decode step 1.9x as slow)."""
+
+    def __init__(self, rank: int, pages: int) -> None:
+        super().__init__(rank=rank, pages=pages)
+        self.built_on = threading.get_ident()
+        self.stepped_on: set[int] = set()
+
+    def step(self, plan: Plan) -> Report:
+        self.stepped_on.add(threading.get_ident())
+        return super().step(plan)
+
+    def info(self) -> RankInfo:
+        main = threading.main_thread().ident
+        return replace(super().info(), model_id=f"built-on-main={self.built_on == main} "
+                                                f"steps-on-builder={self.stepped_on == {self.built_on}}")
+
+
+def thread_naming_engine(cfg) -> ThreadNamingEngine:
+    return ThreadNamingEngine(cfg.rank, cfg.kv_pages or PAGES)
+
+
 class StepStream:
     """The coordinator's side of one Step stream: send a plan, read its report."""
 
@@ -316,13 +339,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_rank(port: int, load_seconds: float, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def _start_rank(port: int, load_seconds: float, extra_env: dict[str, str] | None = None,
+                factory: str = "slow_pool_engine") -> subprocess.Popen:
     tests = Path(__file__).parent
     code = (
         f"import logging, sys; sys.path.insert(0, {str(tests)!r}); logging.basicConfig(level=logging.INFO);"
-        "from test_rank_service import slow_pool_engine;"
+        f"from test_rank_service import {factory};"
         "from lockstep.rank.main import parse_args, run;"
-        "sys.exit(run(parse_args(sys.argv[1:]), slow_pool_engine))"
+        f"sys.exit(run(parse_args(sys.argv[1:]), {factory}))"
     )
     env = {
         **os.environ,
@@ -374,6 +398,22 @@ def test_rank_process_health_then_sigterm_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_rank_process_builds_its_engine_and_runs_every_step_on_one_thread_not_the_main_one():
+    port = _free_port()
+    proc = _start_rank(port, load_seconds=0, factory="thread_naming_engine")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        _wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)
+        for step in range(4):  # a new stream each time: another of the server's handler threads
+            StepStream(channel).step(Plan(step=step))
+        info = info_from_proto(rank_pb2_grpc.RankServiceStub(channel).Info(pb.InfoRequest(), timeout=5))
+        assert info.model_id == "built-on-main=False steps-on-builder=True"
+    finally:
+        channel.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_rank_process_sigterm_while_loading_exits_cleanly():

@@ -10,7 +10,8 @@ Per step (ms, p50 and p90 over the measured steps):
   RankCache prepare, the agreement all-reduce, the no-op forward, RankCache advance and finish) and its report
   -> protobuf; `rank engine` is the engine's part of it alone, `rank wire` the two protobuf conversions;
 - transport: round trip minus rank apply: gRPC (with the plan's encoding and the reports' decoding,
-  `wire.report_from_proto`), both processes' thread hand-offs and the event loop's wake-up;
+  `wire.report_from_proto`), both processes' thread hand-offs and the event loop's wake-up (with overlap
+  the ranks start a plan sent ahead before its round trip is timed, so this reads below zero there);
 - apply: `Scheduler.apply`, the pool gauges and the dispatch of every token to its request's queue;
 - ahead: with overlap, building and serializing the next plan while the ranks run this one (the plan of the
   next step then reads 0 in plan and serialize);

@@ -11,18 +11,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import re
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from lockstep.engine_config import EngineConfig
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
 from lockstep.rank_auth import RANK_SETTINGS, RankServerAuth, server_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
+from lockstep.steps import Plan, RankInfo, Report
 
 log = logging.getLogger("lockstep.rank")
 
@@ -147,6 +150,48 @@ def create_engine(cfg: RankConfig) -> StepEngine:
     return Engine.create(cfg.engine_config())
 
 
+class EngineThread:
+    """One thread of its own for every torch call of the rank: it builds the engine and carries out every step.
+
+    torch's CPU kernels run on an OpenMP team per calling thread. With the engine built on the main thread and
+    its steps run on the gRPC server's handler threads, two teams of spinning threads share the cores, and a
+    decode step at batch 32 took 1.9x as long as in one thread (lockstep bench, TP 1: 397 against 205 ms).
+    A daemon thread, so a rank told to stop while it loads or sits in a collective still exits.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="engine", daemon=True).start()
+
+    def call(self, fn: Callable, *args: object) -> Future:
+        fut: Future = Future()
+        self._calls.put((fn, args, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fn, args, fut = self._calls.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # the caller's to handle, as if it had called fn itself
+                    fut.set_exception(exc)
+
+
+class _OnEngineThread:
+    """The engine as the servicer sees it, each step carried out on the engine's thread."""
+
+    def __init__(self, engine: StepEngine, thread: EngineThread) -> None:
+        self.engine = engine
+        self.thread = thread
+
+    def step(self, plan: Plan) -> Report:
+        return self.thread.call(self.engine.step, plan).result()
+
+    def info(self) -> RankInfo:
+        return self.engine.info()
+
+
 def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = create_engine) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status."""
     import torch
@@ -178,9 +223,10 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
              "required" if cfg.auth.token else "NOT required",
              "" if server.health_port is None else f", plaintext health checks on port {server.health_port}",
              cfg.model)
+    thread = EngineThread()
     try:
         try:
-            engine = engine_factory(cfg)
+            engine = thread.call(_create, engine_factory, cfg).result()
         except _Terminated:
             return 0
         except Exception:
@@ -190,7 +236,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             loading = False
         if stop.is_set():
             return 0
-        servicer.attach(engine)
+        servicer.attach(_OnEngineThread(engine, thread))
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
         stop.wait()
@@ -200,6 +246,13 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("rank %d: stopped after step %d", cfg.rank, servicer.last_step)
+
+
+def _create(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    return factory(cfg)
 
 
 def _address(host: str, port: int) -> str:
