@@ -59,3 +59,21 @@ def test_a_pending_token_after_a_refused_step_is_refused_with_a_reason(engine):
     assert "no token drawn at step 1 for pending request c" in report.error
     report = engine.step(Plan(3, releases=("c",)))
     assert not report.error and report.pools[0].used == 0
+
+
+def test_tp2_a_rank_abstaining_from_a_step_whose_plan_has_pending_tokens_meets_the_others(tiny_llama):
+    """A coordinator that died between writing a plan built ahead to rank 0 and to rank 1: its successor has rank 1
+    abstain from that step. Rank 1's refusal must meet rank 0's agreement collective whatever rank 0's plan
+    carries (bug: the pending tokens rode in that collective, so its shape differed, rank 0 read a refusal
+    that was not there and went into the forward alone until the collective timed out)."""
+    p = prompt(4, 12)
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64, timeout_s=40) as group:
+        first = group.step(Plan(0, admits=(Admit("d"),), batch=(Chunk("d", tuple(p), 0, sample=True),)))
+        ahead = Plan(1, batch=(Chunk("d", (PENDING_TOKEN,), len(p), True, sample_index=1),))
+        reports = group.step([ahead, Plan(1, abstain=True)])
+        assert "abstains from step 1" in reports[1].error
+        assert reports[0].error == "another rank of the group refused this step"
+        token = first[0].sampled[0].token_id
+        again = group.step(Plan(2, batch=(Chunk("d", (token,), len(p), True, sample_index=1),)))
+        assert all(not r.error for r in again) and len(again[0].sampled) == 1
+        group.step(Plan(3, releases=("d",)))

@@ -163,18 +163,23 @@ class Engine:
         return [self.drawn.get(rid, 0) for rid in pending], error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
-        """Whether the group refuses the step, and the sampling rank's pending tokens, in one collective: the
-        other ranks add zeros, so the sum is its tokens (exact in float64)."""
-        if not drawn or self.comm.world_size == 1:
-            return self._group_refuses(step, error), drawn
-        values = torch.tensor([1.0 if error else 0.0, *drawn], dtype=torch.float64, device=self.device)
+        """Whether the group refuses the step, then (only if it goes on) the sampling rank's pending tokens: the
+        other ranks add zeros, so the sum is its tokens (exact in float64).
+
+        Two collectives, not one: the refusal's is the same one-number all-reduce on every rank whatever plan
+        it carries out (a rank abstaining from a step whose plan the others got, after a coordinator died
+        between its writes, must still meet theirs), and only ranks that all accepted the step, so carry out
+        the same batch, meet in the second.
+        """
+        refused = self._group_refuses(step, error)
+        if refused or not drawn or self.comm.world_size == 1:
+            return refused, drawn
         try:
-            out = self.comm.all_reduce(values).tolist()
+            out = self.comm.all_reduce(torch.tensor(drawn, dtype=torch.float64, device=self.device)).tolist()
         except Exception as exc:
             raise GroupBroken(
-                f"rank {self.comm.rank}: the agreement collective of step {step} failed: {exc}"
-            ) from exc
-        return out[0] > 0, [int(t) for t in out[1:]]
+                f"rank {self.comm.rank}: sharing the pending tokens of step {step} failed: {exc}") from exc
+        return False, [int(t) for t in out]
 
     def _group_refuses(self, step: int, error: str) -> bool:
         """Whether any rank refuses the step: one small all-reduce that every rank joins, refusing or not."""
