@@ -340,7 +340,7 @@ def _free_port() -> int:
 
 
 def _start_rank(port: int, load_seconds: float, extra_env: dict[str, str] | None = None,
-                factory: str = "slow_pool_engine") -> subprocess.Popen:
+                factory: str = "slow_pool_engine", threads: int = 1) -> subprocess.Popen:
     tests = Path(__file__).parent
     code = (
         f"import logging, sys; sys.path.insert(0, {str(tests)!r}); logging.basicConfig(level=logging.INFO);"
@@ -356,7 +356,7 @@ def _start_rank(port: int, load_seconds: float, extra_env: dict[str, str] | None
         "TEST_ENGINE_LOAD_SECONDS": str(load_seconds),
         **(extra_env or {}),
     }
-    argv = ["--host", "127.0.0.1", "--threads", "1", "--kv-pages", "8"]
+    argv = ["--host", "127.0.0.1", "--threads", str(threads), "--kv-pages", "8"]
     return subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=subprocess.PIPE, text=True)
 
 
@@ -400,16 +400,20 @@ def test_rank_process_health_then_sigterm_exits_cleanly():
             proc.wait()
 
 
-def test_rank_process_builds_its_engine_and_runs_every_step_on_one_thread_not_the_main_one():
+@pytest.mark.parametrize("threads, named", [(2, "built-on-main=False steps-on-builder=True"),
+                                             (1, "built-on-main=True steps-on-builder=False")])
+def test_rank_process_builds_its_engine_and_runs_every_step_on_one_thread_not_the_main_one(threads, named):
+    """With torch threads, one engine thread does it all; with one (no OpenMP team) the steps stay on the
+    server's handler threads, where they cost no hop."""
     port = _free_port()
-    proc = _start_rank(port, load_seconds=0, factory="thread_naming_engine")
+    proc = _start_rank(port, load_seconds=0, factory="thread_naming_engine", threads=threads)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         _wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)
         for step in range(4):  # a new stream each time: another of the server's handler threads
             StepStream(channel).step(Plan(step=step))
         info = info_from_proto(rank_pb2_grpc.RankServiceStub(channel).Info(pb.InfoRequest(), timeout=5))
-        assert info.model_id == "built-on-main=False steps-on-builder=True"
+        assert info.model_id == named
     finally:
         channel.close()
         proc.kill()

@@ -156,7 +156,9 @@ class EngineThread:
     torch's CPU kernels run on an OpenMP team per calling thread. With the engine built on the main thread and
     its steps run on the gRPC server's handler threads, two teams of spinning threads share the cores, and a
     decode step at batch 32 took 1.9x as long as in one thread (lockstep bench, TP 1: 397 against 205 ms).
-    A daemon thread, so a rank told to stop while it loads or sits in a collective still exits.
+    A daemon thread, so a rank told to stop while it loads or sits in a collective still exits. Only for ranks
+    of more than one torch thread: with one there is no team, and the hop to this thread and back costs a
+    rank sharing its core with others (`lockstep serve --tp 3` on two cores: 1.78 s first curl against 2.19).
     """
 
     def __init__(self) -> None:
@@ -223,10 +225,13 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
              "required" if cfg.auth.token else "NOT required",
              "" if server.health_port is None else f", plaintext health checks on port {server.health_port}",
              cfg.model)
-    thread = EngineThread()
+    thread = EngineThread() if cfg.threads > 1 else None
     try:
         try:
-            engine = thread.call(_create, engine_factory, cfg).result()
+            if thread is None:
+                engine = _create(engine_factory, cfg)
+            else:
+                engine = thread.call(_create, engine_factory, cfg).result()
         except _Terminated:
             return 0
         except Exception:
@@ -236,7 +241,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             loading = False
         if stop.is_set():
             return 0
-        servicer.attach(_OnEngineThread(engine, thread))
+        servicer.attach(engine if thread is None else _OnEngineThread(engine, thread))
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
         stop.wait()
