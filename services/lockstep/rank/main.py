@@ -225,13 +225,9 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
              "required" if cfg.auth.token else "NOT required",
              "" if server.health_port is None else f", plaintext health checks on port {server.health_port}",
              cfg.model)
-    thread = EngineThread() if cfg.threads > 1 else None
     try:
         try:
-            if thread is None:
-                engine = _create(engine_factory, cfg)
-            else:
-                engine = thread.call(_create, engine_factory, cfg).result()
+            engine = _start_engine(engine_factory, cfg)
         except _Terminated:
             return 0
         except Exception:
@@ -241,7 +237,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             loading = False
         if stop.is_set():
             return 0
-        servicer.attach(engine if thread is None else _OnEngineThread(engine, thread))
+        servicer.attach(engine)
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
         stop.wait()
@@ -251,6 +247,14 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("rank %d: stopped after step %d", cfg.rank, servicer.last_step)
+
+
+def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
+    """The engine, on an engine thread of its own where the rank runs several torch threads (EngineThread)."""
+    if cfg.threads <= 1:
+        return _create(factory, cfg)
+    thread = EngineThread()
+    return _OnEngineThread(thread.call(_create, factory, cfg).result(), thread)
 
 
 def _create(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
