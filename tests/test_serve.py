@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,10 +42,24 @@ def test_default_tp_is_the_smallest_size_above_one_the_shapes_and_the_cores_allo
                               vocab_size=384), slots=64) == 1
 
 
+def _free_port_pair() -> int:
+    """A free port whose next one is free too: `lockstep serve --port P` serves gRPC on P + 1 (a CI run failed
+    to bind it when only P had been checked)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
 @contextlib.contextmanager
 def _serving(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
     """`lockstep serve ARGS` logging to tmp_path/serve.log; yields (process, port, log path), then stops it."""
-    port = free_port()
+    port = _free_port_pair()
     log_path = tmp_path / "serve.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port), *args],
