@@ -63,7 +63,7 @@ class Admit:
 
 
 # A chunk's only token when the coordinator planned it before the token was sampled (overlap scheduling): "the token
-# the sampling rank drew for this request at the step before", which every rank learns in this step's agreement.
+# the sampling rank drew for this request at the step before", shared with every rank once the step is agreed.
 PENDING_TOKEN = -1
 
 

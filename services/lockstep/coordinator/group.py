@@ -253,12 +253,15 @@ class GroupRunner:
         self._apply(reports)
         t_end = time.perf_counter()
         self.metrics.step_duration.labels(self.name).observe(t_end - t0)
-        ahead_s = t_ahead - t_sent if self.in_flight is not None else 0.0  # a check that found none: plan time
-        exposed = t_ahead - t0 - ahead_s + (0.0 if ahead_s else t_end - t_reports)  # no plan ran on the ranks
+        plan_s, send_s, ahead_s, apply_s = t_plan - t0, t_sent - t_plan, t_ahead - t_sent, t_end - t_reports
+        sent_ahead = self.in_flight is not None  # then the ranks ran that plan while these reports were applied
+        if not sent_ahead:  # the check that found no plan to send ahead counts as planning
+            plan_s, ahead_s = plan_s + ahead_s, 0.0
+        hidden = ahead_s + apply_s if sent_ahead else 0.0
+        exposed = plan_s + send_s + (0.0 if sent_ahead else apply_s)
         self.metrics.coordinator_seconds.labels(self.name, "exposed").inc(exposed)
-        self.metrics.coordinator_seconds.labels(self.name, "hidden").inc(t_ahead - t0 + t_end - t_reports - exposed)
-        self.step_timings.append(StepTiming(len(plan.batch), t_ahead - t0 - ahead_s - (t_sent - t_plan),
-                                            t_sent - t_plan, t_reports - t_ahead, t_end - t_reports,
+        self.metrics.coordinator_seconds.labels(self.name, "hidden").inc(hidden)
+        self.step_timings.append(StepTiming(len(plan.batch), plan_s, send_s, t_reports - t_ahead, apply_s,
                                             max(r.timings.step_s for r in reports), ahead_s))
         self.steps_run += 1
         self.step += 1

@@ -2,7 +2,7 @@
 
 The plan in flight is known, its outcome is not: every request it samples for will hold one more token
 whose value only its report tells. A plan built ahead names that token as pending (Chunk.pending: each rank
-takes the token the sampling rank drew, carried by the step's agreement collective) and counts pages as if
+takes the token the sampling rank drew, shared once the group agreed to run the step) and counts pages as if
 step k took everything it may take and freed nothing. It only carries running requests on: admissions
 (whose probe answers must come from the step just before), preemptions and rebalances (which need the
 ranks' latest counts) wait for a plan built from the reports. So every decision is still made once, by the
