@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints import random_prompt as prompt
-from lockstep.engine import Engine
+from lockstep.engine import AGREEMENT_SLOTS, Engine
 from lockstep.engine_config import EngineConfig
 from lockstep.local_group import LocalGroup
 from lockstep.steps import PENDING_TOKEN, Admit, Chunk, Plan, SamplingParams
@@ -33,15 +33,18 @@ def _run(step_fn, prompts: dict[str, list[int]], n: int, pending: bool) -> dict[
     return out
 
 
-def test_tp2_pending_tokens_give_the_tokens_of_explicit_ones(tiny_llama):
-    prompts = {"a": prompt(1, 21), "b": prompt(2, 9)}
-    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
-        explicit = _run(group.step, prompts, 8, pending=False)
-    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=64) as group:
-        ahead = _run(group.step, prompts, 8, pending=True)
-        reports = group.step(Plan(9, probes=()))
+@pytest.mark.parametrize("n_requests", [2, AGREEMENT_SLOTS + 6])
+def test_tp2_pending_tokens_give_the_tokens_of_explicit_ones(tiny_llama, n_requests):
+    """Up to AGREEMENT_SLOTS pending tokens ride in the agreement collective; the rest in a second one."""
+    prompts = {f"r{i}": prompt(i + 1, 9 if i else 21) for i in range(n_requests)}
+    n = 8 if n_requests == 2 else 4
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=2 * n_requests + 8) as group:
+        explicit = _run(group.step, prompts, n, pending=False)
+    with LocalGroup(str(tiny_llama), 2, page_size=PS, kv_pages=2 * n_requests + 8) as group:
+        ahead = _run(group.step, prompts, n, pending=True)
+        reports = group.step(Plan(n + 1, probes=()))
         assert [r.pools[0].used for r in reports] == [0, 0]
-    assert ahead == explicit and len(ahead["a"]) == 8
+    assert ahead == explicit and all(len(t) == n for t in ahead.values()) and len(ahead) == n_requests
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +80,32 @@ def test_tp2_a_rank_abstaining_from_a_step_whose_plan_has_pending_tokens_meets_t
         again = group.step(Plan(2, batch=(Chunk("d", (token,), len(p), True, sample_index=1),)))
         assert all(not r.error for r in again) and len(again[0].sampled) == 1
         group.step(Plan(3, releases=("d",)))
+
+
+class RecordingComm:
+    """Rank 0 of two whose peer adds zeros: records the shape of every all-reduce the engine joins."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(t.shape))
+        return t
+
+
+@pytest.mark.parametrize(("error", "pending", "collectives"), [
+    ("", 0, 1), ("", 3, 1), ("", AGREEMENT_SLOTS, 1), ("refused", 5, 1), ("", AGREEMENT_SLOTS + 6, 2),
+])
+def test_the_agreement_collective_has_one_shape_and_carries_the_pending_tokens(error, pending, collectives):
+    """Every rank's first collective of a step has the same shape whatever its plan (a rank that abstains meets one
+    that carries pending tokens); up to AGREEMENT_SLOTS pending tokens need no second one."""
+    engine = object.__new__(Engine)
+    engine.comm, engine.device = RecordingComm(), torch.device("cpu")
+    drawn = [1000 + i for i in range(pending)]
+    refused, shared = engine._agree(1, error, drawn)
+    assert refused == bool(error)
+    assert engine.comm.shapes[0] == (1 + AGREEMENT_SLOTS,) and len(engine.comm.shapes) == collectives
+    if not error:
+        assert shared == drawn

@@ -46,6 +46,9 @@ DEFAULT_CPU_KV_BUDGET = 1 << 30
 # The rank whose tokens the coordinator uses; the others skip sampling (and penalties and logprobs): every rank
 # holds the same logits, and the tokens come back to all of them in the next plan anyway.
 SAMPLING_RANK = 0
+# pending tokens (overlap) that ride in the agreement all-reduce itself; a batch with more sends the rest in a
+# second one. 64 float64 slots add 512 bytes to a one-number collective: nothing next to its latency.
+AGREEMENT_SLOTS = 64
 
 
 def sample_seed(request_id: str, seed: int | None, sample_index: int) -> int:
@@ -163,35 +166,35 @@ class Engine:
         return [self.drawn.get(rid, 0) for rid in pending], error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
-        """Whether the group refuses the step, then (only if it goes on) the sampling rank's pending tokens: the
-        other ranks add zeros, so the sum is its tokens (exact in float64).
+        """Whether the group refuses the step, and the sampling rank's pending tokens (the other ranks add zeros,
+        so the sum is its tokens, exact in float64).
 
-        Two collectives, not one: the refusal's is the same one-number all-reduce on every rank whatever plan
-        it carries out (a rank abstaining from a step whose plan the others got, after a coordinator died
-        between its writes, must still meet theirs), and only ranks that all accepted the step, so carry out
-        the same batch, meet in the second.
+        The collective has one shape on every rank whatever plan it carries out: the refusal flag and
+        AGREEMENT_SLOTS token slots. A rank abstaining from a step whose plan the others got (a coordinator that
+        died between its writes) still meets theirs. Tokens past the slots go in a second all-reduce that only
+        ranks which all accepted the step, so carry out the same batch, join.
         """
-        refused = self._group_refuses(step, error)
-        if refused or not drawn or self.comm.world_size == 1:
-            return refused, drawn
-        try:
-            out = self.comm.all_reduce(torch.tensor(drawn, dtype=torch.float64, device=self.device)).tolist()
-        except Exception as exc:
-            raise GroupBroken(
-                f"rank {self.comm.rank}: sharing the pending tokens of step {step} failed: {exc}") from exc
-        return False, [int(t) for t in out]
-
-    def _group_refuses(self, step: int, error: str) -> bool:
-        """Whether any rank refuses the step: one small all-reduce that every rank joins, refusing or not."""
         if self.comm.world_size == 1:
-            return bool(error)
-        flag = torch.tensor([1.0 if error else 0.0], device=self.device)
+            return bool(error), drawn
+        head, rest = drawn[:AGREEMENT_SLOTS], drawn[AGREEMENT_SLOTS:]
+        slots = [1.0 if error else 0.0, *head] + [0.0] * (AGREEMENT_SLOTS - len(head))
+        both = torch.tensor(slots, dtype=torch.float64, device=self.device)
         try:
-            return bool(self.comm.all_reduce(flag).item() > 0)
+            out = self.comm.all_reduce(both).tolist()
         except Exception as exc:
             raise GroupBroken(
-                f"rank {self.comm.rank}: the agreement collective of step {step} failed: {exc}"
-            ) from exc
+                f"rank {self.comm.rank}: the agreement collective of step {step} failed: {exc}") from exc
+        if out[0] > 0:
+            return True, drawn
+        shared = [int(t) for t in out[1:1 + len(head)]]
+        if rest:
+            try:
+                more = self.comm.all_reduce(torch.tensor(rest, dtype=torch.float64, device=self.device)).tolist()
+            except Exception as exc:
+                raise GroupBroken(
+                    f"rank {self.comm.rank}: sharing the pending tokens of step {step} failed: {exc}") from exc
+            shared += [int(t) for t in more]
+        return False, shared
 
     def _forward(self, plan: Plan) -> tuple[tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]], str]:
         """((sampled tokens, prompt scores), error). Alone, a failed forward is a refused step; in a group it

@@ -76,15 +76,12 @@ class NoopForwardEngine(Engine):
         elif agreement:
             comm = init_comm(rank, world_size, rendezvous, "cpu", collective_timeout_s=60.0)
         else:
-            comm = Comm(rank, world_size)  # never reduces: `_group_refuses` is local without the agreement
+            comm = Comm(rank, world_size)  # never reduces: `_agree` is local without the agreement
         config = noop_model_config(world_size, vocab_size, max_model_len)
         kv = KVCache.create(config, world_size, kv_pages, page_size, torch.float16, "cpu")
         cache = RankCache({POOL_FULL: PagePool(POOL_FULL, kv_pages)}, page_size, key_salt(MODEL_ID, page_size),
                           max_model_len, prefix_caching, rank)
         return cls(kv, cache, comm, config, agreement)
-
-    def _group_refuses(self, step: int, error: str) -> bool:
-        return super()._group_refuses(step, error) if self.agreement else bool(error)
 
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         if self.agreement:
