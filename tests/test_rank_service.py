@@ -234,7 +234,8 @@ def test_engine_exception_becomes_report_error_and_the_stream_goes_on(rank):
 def test_bad_plan_on_the_wire_is_answered_and_not_run(rank):
     engine, servicer, channel, _ = rank
     s = StepStream(channel)
-    bad = s.step(pb.PlanMsg(step=0, batch=[pb.ChunkMsg(request_id="a", start=0)]))
+    bad = s.step(pb.PlanMsg(step=0, batch=pb.BatchMsg(request_ids=["a"], token_counts=[0], starts=[0], sample=[False],
+                                                      sample_index=[0], sampling=[0])))
     assert bad.step == 0 and "bad plan" in bad.error and "at least one token" in bad.error
     assert engine.executed == [] and servicer.last_step == -1
     ok = s.step(Plan(step=0, admits=(Admit("a"),), batch=(Chunk("a", (1,), 0),)))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
+    PENDING_TOKEN,
     Admit,
     Chunk,
     Plan,
@@ -26,6 +27,8 @@ from lockstep.steps import (
 )
 from lockstep.wire import (
     WireError,
+    _check_chunk,
+    _plain_batch,
     info_from_proto,
     info_to_proto,
     plan_from_proto,
@@ -73,13 +76,15 @@ def _chunks(history: tuple[int, ...] | None) -> st.SearchStrategy[Chunk]:
     )
 
 
-chunks = st.one_of(_chunks(None), token_lists.flatmap(_chunks))
+pending_chunks = st.builds(Chunk, request_id=ids, token_ids=st.just((PENDING_TOKEN,)), start=counts,
+                           sample=st.just(True), sampling=sampling, sample_index=counts)
+chunks = st.one_of(_chunks(None), token_lists.flatmap(_chunks), pending_chunks)
 plans = st.builds(
     Plan,
     step=counts,
     releases=st.lists(ids, max_size=4).map(tuple),
     admits=st.lists(st.builds(Admit, request_id=ids, prefix_keys=keys), max_size=4).map(tuple),
-    batch=st.lists(chunks, max_size=4).map(tuple),
+    batch=st.lists(chunks, max_size=6).map(tuple),
     probes=st.lists(st.builds(Probe, request_id=ids, keys=keys), max_size=4).map(tuple),
     flush_prefix_cache=st.booleans(),
     release_all=st.booleans(),
@@ -139,8 +144,15 @@ def test_seed_none_and_seed_zero_stay_apart():
         assert back.batch[0].sampling.seed == seed
 
 
+def _columns(**fields) -> pb.BatchMsg:
+    """One chunk's BatchMsg, each column given or its plain value."""
+    one = dict(request_ids=["r"], token_counts=[1], token_ids=[1], starts=[0], sample=[False], sample_index=[0],
+               sampling=[0])
+    return pb.BatchMsg(**{**one, **fields})
+
+
 def test_chunk_without_sampling_message_is_greedy():
-    msg = pb.PlanMsg(step=3, batch=[pb.ChunkMsg(request_id="r", token_ids=[5, 6], start=2)])
+    msg = pb.PlanMsg(step=3, batch=_columns(token_counts=[2], token_ids=[5, 6], starts=[2]))
     plan = plan_from_proto(msg)
     assert plan.batch[0].sampling == SamplingParams()
     assert plan == Plan(step=3, batch=(Chunk("r", (5, 6), 2),))
@@ -150,7 +162,7 @@ def test_logprobs_off_zero_and_k_stay_apart_and_an_unset_field_is_off():
     for k in (-1, 0, 5):
         chunk = Chunk("r", (1,), 0, sample=True, sampling=SamplingParams(logprobs=k))
         msg = plan_to_proto(Plan(step=1, batch=(chunk,)))
-        assert msg.batch[0].sampling.HasField("logprobs") == (k != -1)
+        assert msg.samplings[0].HasField("logprobs") == (k != -1)
         assert plan_from_proto(msg).batch[0].sampling.logprobs == k
     with pytest.raises(WireError, match="logprobs must be -1 \\(off\\) or >= 0, got -2"):
         plan_to_proto(Plan(step=1, batch=(Chunk("r", (1,), 0, sampling=SamplingParams(logprobs=-2)),)))
@@ -162,18 +174,22 @@ def test_sampled_logprobs_cross_the_wire_and_a_torn_top_list_is_refused():
         float("-inf")))))
     back = report_from_proto(pb.ReportMsg.FromString(report_to_proto(report).SerializeToString()))
     assert back == report and back.sampled[1].logprobs is None and back.sampled[2].logprobs.top == ()
-    torn = pb.ReportMsg(step=1, sampled=[pb.SampledMsg(request_id="r", logprob=-1.0, top_ids=[1, 2],
-                                                       top_logprobs=[-1])])
+    torn = pb.ReportMsg(step=1, sampled_ids=["r"], sampled_tokens=[0], sampled_logprobs={
+        0: pb.TokenLogprobsMsg(logprob=-1.0, top_ids=[1, 2], top_logprobs=[-1])})
     with pytest.raises(WireError, match="2 top ids but 1 logprobs"):
         report_from_proto(torn)
+    with pytest.raises(WireError, match="2 sampled request ids but 1 tokens"):
+        report_from_proto(pb.ReportMsg(step=1, sampled_ids=["r", "s"], sampled_tokens=[0]))
+    with pytest.raises(WireError, match="logprobs for sampled token 1 of 1"):
+        report_from_proto(pb.ReportMsg(step=1, sampled_ids=["r"], sampled_tokens=[0],
+                                       sampled_logprobs={1: pb.TokenLogprobsMsg(logprob=-1.0)}))
 
 
 def test_prompt_logprobs_cross_the_wire_and_torn_lists_are_refused():
     chunk = Chunk("r", (5, 6), 0, prompt_logprobs=3, next_token_id=7, sampling=SamplingParams(prompt_logprobs=3))
     msg = plan_to_proto(Plan(step=1, batch=(chunk,)))
     assert plan_from_proto(msg).batch[0] == chunk
-    off = plan_to_proto(Plan(step=1, batch=(Chunk("r", (5,), 0),))).batch[0]
-    assert not off.HasField("prompt_logprobs") and not off.HasField("next_token_id")  # unset reads as -1
+    assert not plan_to_proto(Plan(step=1, batch=(Chunk("r", (5,), 0),))).batch.extras  # absent reads as -1
     entries = (TokenLogprobs(-1.5, ((4, -0.5), (5, -1.5)), 2), TokenLogprobs(-2.0, (), 7),
                TokenLogprobs(-0.1, ((9, -0.1),), 1))
     report = Report(step=1, rank=0, prompt_logprobs=(PromptLogprobs("r", 3, entries),))
@@ -194,8 +210,7 @@ def test_penalties_and_an_empty_history_cross_the_wire_and_unset_fields_are_off(
     assert back == plan and back.batch[0].history == () and back.batch[1].history is None
     assert back.batch[0].sampling.logit_bias == ((3, 0.5), (9, -100.0))
     # an older coordinator's message (no penalty fields): every one is off, repetition 1 included
-    msg = pb.PlanMsg(step=1, batch=[pb.ChunkMsg(request_id="r", token_ids=[1], sampling=pb.SamplingParamsMsg(
-        temperature=0.5, top_p=1.0))])
+    msg = pb.PlanMsg(step=1, batch=_columns(), samplings=[pb.SamplingParamsMsg(temperature=0.5, top_p=1.0)])
     assert plan_from_proto(msg).batch[0].sampling == SamplingParams(temperature=0.5)
     assert not plan_from_proto(msg).batch[0].sampling.adjusts_logits
 
@@ -228,9 +243,20 @@ def test_bad_plans_are_refused_by_name(plan, words):
 
 
 def test_bad_plan_from_the_wire_is_refused():
-    msg = pb.PlanMsg(step=9, batch=[pb.ChunkMsg(request_id="r", start=0)])
+    msg = pb.PlanMsg(step=9, batch=_columns(token_counts=[0], token_ids=[]))
     with pytest.raises(WireError, match=r"plan 9 batch\[0\] \('r'\): a chunk needs at least one token"):
         plan_from_proto(msg)
+    for bad, words in [
+        (_columns(starts=[0, 1]), "columns differ in length (1 request ids, 1 token counts, 2 starts"),
+        (_columns(token_counts=[2]), "token counts summing to 2 (min 2) for 1 tokens"),
+        (_columns(sampling=[1]), "sampling references 1..1 outside the plan's 1 sampling parameters"),
+        (_columns(extras={3: pb.ChunkExtrasMsg(next_token_id=4)}), "extras for chunk 3 of 1"),
+        (_columns(token_ids=[-1]), "a pending token is a decode that samples"),
+        (_columns(token_counts=[2], token_ids=[4, -1], sample=[True]), "token ids must be >= 0, got -1"),
+    ]:
+        with pytest.raises(WireError) as e:
+            plan_from_proto(pb.PlanMsg(step=9, batch=bad))
+        assert words in str(e.value)
     with pytest.raises(WireError, match="request_id must be a non-empty string"):
         plan_from_proto(pb.PlanMsg(step=1, probes=[pb.ProbeMsg(keys=[b"k"])]))
 
@@ -280,3 +306,36 @@ def test_a_rank_builds_each_distinct_sampling_once_and_each_chunk_still_gets_its
     assert [c.sampling for c in first.batch] == [a, b, a, biased]
     assert first.batch[0].sampling is first.batch[2].sampling is again.batch[0].sampling
     assert first.batch[1].sampling is not first.batch[0].sampling and again == replace(first, step=4)
+
+
+def test_a_batch_travels_in_columns_with_each_distinct_sampling_once():
+    """A decode step of 256 chunks is a few packed columns and its two distinct samplings (equal parameters of
+    different requests are one entry), not a message per chunk."""
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.0, seed=5)
+    batch = tuple(Chunk(f"r{i}", (PENDING_TOKEN,) if i % 3 else (i,), 40 + i, True,
+                        SamplingParams(temperature=1.0, seed=5) if i % 2 else greedy, i) for i in range(256))
+    msg = plan_to_proto(Plan(step=7, batch=batch))
+    expected = [pb.SamplingParamsMsg(top_p=1.0), pb.SamplingParamsMsg(temperature=1.0, top_p=1.0, seed=5)]
+    assert list(msg.samplings) == expected
+    assert list(msg.batch.sampling) == [i % 2 for i in range(256)] and not msg.batch.extras
+    assert list(msg.batch.token_ids)[:4] == [0, -1, -1, 3]
+    back = plan_from_proto(pb.PlanMsg.FromString(msg.SerializeToString()))
+    assert back.batch == batch and back.batch[1].sampling == hot and back.batch[1].pending
+
+
+bad_chunks = st.builds(
+    Chunk, request_id=st.sampled_from(["", "r"]), token_ids=st.lists(st.integers(-2, 3), max_size=3).map(tuple),
+    start=st.integers(-1, 3), sample=st.booleans(),
+    sampling=st.builds(SamplingParams, logprobs=st.integers(-2, 1), prompt_logprobs=st.integers(-2, 1),
+                       min_tokens=st.integers(-1, 1)),
+    sample_index=st.integers(-1, 2), prompt_logprobs=st.integers(-2, 1), next_token_id=st.integers(-2, 1),
+    history=st.none() | st.lists(st.integers(-1, 2), max_size=3).map(tuple))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(bad_chunks, max_size=4).map(tuple))
+def test_the_bulk_check_of_a_batch_passes_only_what_the_per_chunk_check_passes(batch):
+    """`_plain_batch` lets a batch skip the per-chunk checks: it must never let through a chunk they refuse."""
+    if _plain_batch(batch):
+        for i, chunk in enumerate(batch):
+            _check_chunk(chunk, f"batch[{i}]")

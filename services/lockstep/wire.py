@@ -10,10 +10,12 @@ plan is refused as a whole instead of being half carried out.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
+    PENDING_TOKEN,
     Admit,
     Chunk,
     Plan,
@@ -85,11 +87,29 @@ def _check_plan(plan: Plan) -> None:
     for i, admit in enumerate(plan.admits):
         _request_id(admit.request_id, f"{where} admits[{i}]")
         _keys(admit.prefix_keys, f"{where} admits[{i}].prefix_keys")
-    for i, chunk in enumerate(plan.batch):
-        _check_chunk(chunk, f"{where} batch[{i}]")
+    if not _plain_batch(plan.batch):
+        for i, chunk in enumerate(plan.batch):
+            _check_chunk(chunk, f"{where} batch[{i}]")
     for i, probe in enumerate(plan.probes):
         _request_id(probe.request_id, f"{where} probes[{i}]")
         _keys(probe.keys, f"{where} probes[{i}].keys")
+
+
+def _plain_batch(batch: tuple[Chunk, ...]) -> bool:
+    """Whether every chunk passes `_check_chunk`, checked in bulk for the common batch (single tokens or prompt
+    chunks of known tokens, no history, no prompt scoring; each distinct sampling once): a decode step of 256
+    chunks would otherwise spend most of its translation here. False sends the batch to the per-chunk check,
+    which names what is wrong."""
+    for c in batch:
+        if (type(c.request_id) is not str or not c.request_id or c.history is not None or c.prompt_logprobs != -1
+                or c.next_token_id != -1 or c.start < 0 or c.sample_index < 0 or not c.token_ids):
+            return False
+        if c.token_ids[0] < 0 and not (c.token_ids == (PENDING_TOKEN,) and c.sample):
+            return False
+        if len(c.token_ids) > 1 and min(c.token_ids) < 0:
+            return False
+    samplings = {id(c.sampling): c.sampling for c in batch}.values()
+    return all(s.logprobs >= -1 and s.prompt_logprobs >= -1 and s.min_tokens >= 0 for s in samplings)
 
 
 def _penalties_to_proto(m: pb.SamplingParamsMsg, s: SamplingParams) -> None:
@@ -119,32 +139,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
-        for chunk in plan.batch:
-            s = chunk.sampling
-            c = msg.batch.add(
-                request_id=chunk.request_id,
-                token_ids=list(chunk.token_ids),
-                start=chunk.start,
-                sample=chunk.sample,
-                sample_index=chunk.sample_index,
-            )
-            if chunk.prompt_logprobs != -1:
-                c.prompt_logprobs = chunk.prompt_logprobs
-            if chunk.next_token_id != -1:
-                c.next_token_id = chunk.next_token_id
-            c.sampling.temperature = s.temperature
-            c.sampling.top_p = s.top_p
-            c.sampling.top_k = s.top_k
-            if s.seed is not None:
-                c.sampling.seed = s.seed
-            if s.logprobs != -1:
-                c.sampling.logprobs = s.logprobs
-            if s.prompt_logprobs != -1:
-                c.sampling.prompt_logprobs = s.prompt_logprobs
-            _penalties_to_proto(c.sampling, s)
-            if chunk.history is not None:
-                c.history.SetInParent()
-                c.history.token_ids.extend(chunk.history)
+        _batch_to_proto(msg, plan.batch)
         for probe in plan.probes:
             msg.probes.add(request_id=probe.request_id, keys=list(probe.keys))
     except (TypeError, ValueError) as e:
@@ -152,13 +147,61 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
     return msg
 
 
+def _batch_to_proto(msg: pb.PlanMsg, batch: tuple[Chunk, ...]) -> None:
+    """The chunks as BatchMsg columns, each distinct sampling once in `msg.samplings`."""
+    b = msg.batch
+    rids, counts, tokens, starts, samples, indexes, refs = [], [], [], [], [], [], []
+    table: dict[SamplingParams, int] = {}
+    for i, c in enumerate(batch):
+        rids.append(c.request_id)
+        counts.append(len(c.token_ids))
+        tokens.extend(c.token_ids)
+        starts.append(c.start)
+        samples.append(c.sample)
+        indexes.append(c.sample_index)
+        ref = table.get(c.sampling)
+        if ref is None:
+            ref = table[c.sampling] = len(table)
+            _sampling_to_proto(msg.samplings.add(), c.sampling)
+        refs.append(ref)
+        if c.history is not None or c.prompt_logprobs != -1 or c.next_token_id != -1:
+            extra = b.extras[i]
+            if c.prompt_logprobs != -1:
+                extra.prompt_logprobs = c.prompt_logprobs
+            if c.next_token_id != -1:
+                extra.next_token_id = c.next_token_id
+            if c.history is not None:
+                extra.history.SetInParent()
+                extra.history.token_ids.extend(c.history)
+    b.request_ids.extend(rids)
+    b.token_counts.extend(counts)
+    b.token_ids.extend(tokens)
+    b.starts.extend(starts)
+    b.sample.extend(samples)
+    b.sample_index.extend(indexes)
+    b.sampling.extend(refs)
+
+
+def _sampling_to_proto(m: pb.SamplingParamsMsg, s: SamplingParams) -> None:
+    m.temperature = s.temperature
+    m.top_p = s.top_p
+    m.top_k = s.top_k
+    if s.seed is not None:
+        m.seed = s.seed
+    if s.logprobs != -1:
+        m.logprobs = s.logprobs
+    if s.prompt_logprobs != -1:
+        m.prompt_logprobs = s.prompt_logprobs
+    _penalties_to_proto(m, s)
+
+
 _SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
 _SAMPLING_SEEN_MAX = 4096
 
 
 def _sampling_from_proto(s: pb.SamplingParamsMsg) -> SamplingParams:
-    """The chunk's sampling parameters. A request sends the same ones at every step, so a rank builds each
-    distinct one once (by its bytes) instead of once per chunk per step (14 us per chunk at batch 256)."""
+    """A plan's sampling parameters. Requests keep theirs from step to step, so a rank builds each distinct one
+    once (by its bytes) instead of at every step."""
     key = s.SerializeToString(deterministic=True)
     found = _SAMPLING_SEEN.get(key)
     if found is None:
@@ -181,29 +224,58 @@ def _sampling_from_proto(s: pb.SamplingParamsMsg) -> SamplingParams:
     return found
 
 
+def _batch_from_proto(msg: pb.PlanMsg) -> tuple[Chunk, ...]:
+    """The chunks of BatchMsg's columns (the per-chunk checks follow in `_check_plan`)."""
+    rids, counts, tokens, starts, samples, indexes, refs = _columns(msg)
+    samplings = [_sampling_from_proto(s) for s in msg.samplings] or [SamplingParams()]
+    if refs and not 0 <= min(refs) <= max(refs) < len(samplings):
+        raise WireError(f"plan {msg.step} batch: sampling references {min(refs)}..{max(refs)} outside the plan's "
+                        f"{len(samplings)} sampling parameters")
+    if counts and max(counts) == 1:
+        runs = [(t,) for t in tokens]
+    else:
+        runs, at = [], 0
+        for k in counts:
+            runs.append(tuple(tokens[at:at + k]))
+            at += k
+    chunks = [Chunk(r, t, st, sm, samplings[ref], ix)
+              for r, t, st, sm, ref, ix in zip(rids, runs, starts, samples, refs, indexes, strict=True)]
+    for i, extra in msg.batch.extras.items():
+        if not 0 <= i < len(chunks):
+            raise WireError(f"plan {msg.step} batch: extras for chunk {i} of {len(chunks)}")
+        chunks[i] = dataclasses.replace(
+            chunks[i],
+            prompt_logprobs=extra.prompt_logprobs if extra.HasField("prompt_logprobs") else -1,
+            next_token_id=extra.next_token_id if extra.HasField("next_token_id") else -1,
+            history=tuple(extra.history.token_ids) if extra.HasField("history") else None,
+        )
+    return tuple(chunks)
+
+
+def _columns(msg: pb.PlanMsg) -> tuple[list, ...]:
+    """BatchMsg's columns as lists; columns of different lengths, or token counts that do not add up to the
+    tokens, are a WireError."""
+    b = msg.batch
+    rids, counts, tokens, starts = list(b.request_ids), list(b.token_counts), list(b.token_ids), list(b.starts)
+    samples, indexes, refs = list(b.sample), list(b.sample_index), list(b.sampling)
+    n = len(rids)
+    if any(len(col) != n for col in (counts, starts, samples, indexes, refs)):
+        raise WireError(f"plan {msg.step} batch: its columns differ in length ({n} request ids, {len(counts)} token "
+                        f"counts, {len(starts)} starts, {len(samples)} sample flags, {len(indexes)} sample indexes, "
+                        f"{len(refs)} sampling references)")
+    if n and (min(counts) < 0 or sum(counts) != len(tokens)):
+        raise WireError(f"plan {msg.step} batch: token counts summing to {sum(counts)} (min {min(counts)}) for "
+                        f"{len(tokens)} tokens")
+    return rids, counts, tokens, starts, samples, indexes, refs
+
+
 def plan_from_proto(msg: pb.PlanMsg) -> Plan:
     """The plan a rank carries out; raises WireError for a message that cannot be a plan."""
-    batch = []
-    for c in msg.batch:
-        s = c.sampling
-        batch.append(
-            Chunk(
-                request_id=c.request_id,
-                token_ids=tuple(c.token_ids),
-                start=c.start,
-                sample=c.sample,
-                sampling=_sampling_from_proto(s) if c.HasField("sampling") else SamplingParams(),
-                sample_index=c.sample_index,
-                prompt_logprobs=c.prompt_logprobs if c.HasField("prompt_logprobs") else -1,
-                next_token_id=c.next_token_id if c.HasField("next_token_id") else -1,
-                history=tuple(c.history.token_ids) if c.HasField("history") else None,
-            )
-        )
     plan = Plan(
         step=msg.step,
         releases=tuple(msg.releases),
         admits=tuple(Admit(a.request_id, tuple(a.prefix_keys)) for a in msg.admits),
-        batch=tuple(batch),
+        batch=_batch_from_proto(msg),
         probes=tuple(Probe(p.request_id, tuple(p.keys)) for p in msg.probes),
         flush_prefix_cache=msg.flush_prefix_cache,
         release_all=msg.release_all,
@@ -223,11 +295,13 @@ def report_to_proto(report: Report) -> pb.ReportMsg:
     """The message a rank answers one plan with."""
     try:
         msg = pb.ReportMsg(step=report.step, rank=report.rank, error=report.error)
-        for s in report.sampled:
-            m = msg.sampled.add(request_id=s.request_id, token_id=s.token_id)
+        msg.sampled_ids.extend([s.request_id for s in report.sampled])
+        msg.sampled_tokens.extend([s.token_id for s in report.sampled])
+        for i, s in enumerate(report.sampled):
             if s.logprobs is not None:
+                m = msg.sampled_logprobs[i]
                 m.logprob = s.logprobs.logprob
-                m.top_ids.extend(i for i, _ in s.logprobs.top)
+                m.top_ids.extend(t for t, _ in s.logprobs.top)
                 m.top_logprobs.extend(lp for _, lp in s.logprobs.top)
         for pl in report.prompt_logprobs:
             _add_prompt_logprobs(msg.prompt_logprobs.add(request_id=pl.request_id, start=pl.start), pl)
@@ -268,7 +342,7 @@ def report_from_proto(msg: pb.ReportMsg) -> Report:
     return Report(
         step=msg.step,
         rank=msg.rank,
-        sampled=tuple(_sampled(s) for s in msg.sampled),
+        sampled=_sampled(msg),
         probes=tuple(_probe_answer(p) for p in msg.probes),
         pools=tuple(PoolState(p.pool, p.total, p.free, p.evictable, p.used, p.pinned, p.movable, p.fenced)
                     for p in msg.pools),
@@ -293,13 +367,19 @@ def _prompt_logprobs(msg: pb.PromptLogprobsMsg) -> PromptLogprobs:
     return PromptLogprobs(msg.request_id, msg.start, tuple(entries))
 
 
-def _sampled(msg: pb.SampledMsg) -> Sampled:
-    if len(msg.top_ids) != len(msg.top_logprobs):
-        raise WireError(f"sampled {msg.request_id}: {len(msg.top_ids)} top ids but {len(msg.top_logprobs)} logprobs")
-    if not msg.HasField("logprob"):
-        return Sampled(msg.request_id, msg.token_id)
-    top = tuple(zip(msg.top_ids, msg.top_logprobs, strict=True))
-    return Sampled(msg.request_id, msg.token_id, TokenLogprobs(msg.logprob, top))
+def _sampled(msg: pb.ReportMsg) -> tuple[Sampled, ...]:
+    ids, tokens = list(msg.sampled_ids), list(msg.sampled_tokens)
+    if len(ids) != len(tokens):
+        raise WireError(f"report of step {msg.step}: {len(ids)} sampled request ids but {len(tokens)} tokens")
+    sampled = [Sampled(r, t) for r, t in zip(ids, tokens, strict=True)]
+    for i, lp in msg.sampled_logprobs.items():
+        if not 0 <= i < len(ids):
+            raise WireError(f"report of step {msg.step}: logprobs for sampled token {i} of {len(ids)}")
+        if len(lp.top_ids) != len(lp.top_logprobs):
+            raise WireError(f"sampled {ids[i]}: {len(lp.top_ids)} top ids but {len(lp.top_logprobs)} logprobs")
+        top = tuple(zip(lp.top_ids, lp.top_logprobs, strict=True))
+        sampled[i] = Sampled(ids[i], tokens[i], TokenLogprobs(lp.logprob, top))
+    return tuple(sampled)
 
 
 def _probe_answer(msg: pb.ProbeAnswerMsg) -> ProbeAnswer:

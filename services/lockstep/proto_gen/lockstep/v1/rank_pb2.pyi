@@ -55,27 +55,42 @@ class AdmitMsg(_message.Message):
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, request_id: _Optional[str] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
-class ChunkMsg(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start", "sample", "sampling", "sample_index", "prompt_logprobs", "next_token_id", "history")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+class BatchMsg(_message.Message):
+    __slots__ = ("request_ids", "token_counts", "token_ids", "starts", "sample", "sample_index", "sampling", "extras")
+    class ExtrasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: ChunkExtrasMsg
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[ChunkExtrasMsg, _Mapping]] = ...) -> None: ...
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[bool]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedScalarFieldContainer[int]
+    extras: _containers.MessageMap[int, ChunkExtrasMsg]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[int]] = ..., extras: _Optional[_Mapping[int, ChunkExtrasMsg]] = ...) -> None: ...
+
+class ChunkExtrasMsg(_message.Message):
+    __slots__ = ("prompt_logprobs", "next_token_id", "history")
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    start: int
-    sample: bool
-    sampling: SamplingParamsMsg
-    sample_index: int
     prompt_logprobs: int
     next_token_id: int
     history: TokenHistory
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParamsMsg, _Mapping]] = ..., sample_index: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., next_token_id: _Optional[int] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ...) -> None: ...
+    def __init__(self, prompt_logprobs: _Optional[int] = ..., next_token_id: _Optional[int] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ...) -> None: ...
 
 class ProbeMsg(_message.Message):
     __slots__ = ("request_id", "keys")
@@ -86,7 +101,7 @@ class ProbeMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
-    __slots__ = ("step", "releases", "admits", "batch", "probes", "flush_prefix_cache", "release_all", "abstain", "pool_split", "pool_fence")
+    __slots__ = ("step", "releases", "admits", "batch", "samplings", "probes", "flush_prefix_cache", "release_all", "abstain", "pool_split", "pool_fence")
     class PoolSplitEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +120,7 @@ class PlanMsg(_message.Message):
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLINGS_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     FLUSH_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ALL_FIELD_NUMBER: _ClassVar[int]
@@ -114,14 +130,15 @@ class PlanMsg(_message.Message):
     step: int
     releases: _containers.RepeatedScalarFieldContainer[str]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
-    batch: _containers.RepeatedCompositeFieldContainer[ChunkMsg]
+    batch: BatchMsg
+    samplings: _containers.RepeatedCompositeFieldContainer[SamplingParamsMsg]
     probes: _containers.RepeatedCompositeFieldContainer[ProbeMsg]
     flush_prefix_cache: bool
     release_all: bool
     abstain: bool
     pool_split: _containers.ScalarMap[str, int]
     pool_fence: _containers.ScalarMap[str, int]
-    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Iterable[_Union[ChunkMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ..., pool_fence: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Union[BatchMsg, _Mapping]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParamsMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ..., pool_fence: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProbeAnswerMsg(_message.Message):
     __slots__ = ("request_id", "matched_pages", "pinned_pages", "sliding_runs", "sliding_pinned")
@@ -157,19 +174,15 @@ class PoolStateMsg(_message.Message):
     fenced: int
     def __init__(self, pool: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., used: _Optional[int] = ..., pinned: _Optional[int] = ..., movable: _Optional[int] = ..., fenced: _Optional[int] = ...) -> None: ...
 
-class SampledMsg(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob", "top_ids", "top_logprobs")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+class TokenLogprobsMsg(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    token_id: int
     logprob: float
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PromptLogprobsMsg(_message.Message):
     __slots__ = ("request_id", "start", "logprobs", "top_counts", "top_ids", "top_logprobs", "ranks")
@@ -190,7 +203,14 @@ class PromptLogprobsMsg(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportMsg(_message.Message):
-    __slots__ = ("step", "rank", "sampled", "probes", "pools", "error", "timings", "prompt_logprobs")
+    __slots__ = ("step", "rank", "sampled_ids", "sampled_tokens", "sampled_logprobs", "probes", "pools", "error", "timings", "prompt_logprobs")
+    class SampledLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: TokenLogprobsMsg
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[TokenLogprobsMsg, _Mapping]] = ...) -> None: ...
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +220,9 @@ class ReportMsg(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -208,13 +230,15 @@ class ReportMsg(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
-    sampled: _containers.RepeatedCompositeFieldContainer[SampledMsg]
+    sampled_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampled_logprobs: _containers.MessageMap[int, TokenLogprobsMsg]
     probes: _containers.RepeatedCompositeFieldContainer[ProbeAnswerMsg]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStateMsg]
     error: str
     timings: _containers.ScalarMap[str, float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobsMsg]
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeAnswerMsg, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStateMsg, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobsMsg, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Mapping[int, TokenLogprobsMsg]] = ..., probes: _Optional[_Iterable[_Union[ProbeAnswerMsg, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStateMsg, _Mapping]]] = ..., error: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobsMsg, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
