@@ -7,10 +7,19 @@ coordinators in one process and `/metrics` shows only this coordinator's series.
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
+from bisect import bisect_left
 from collections import Counter as Tally
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from lockstep.coordinator.admission import DEFERRAL_REASONS
 from lockstep.coordinator.scheduler import SchedulerStats
@@ -22,6 +31,72 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ROUTING_REASONS = ("least_loaded", "replay", "prefix")
 rebalance_log = logging.getLogger("lockstep.rebalance")
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _Series:
+    """One group's histogram: per-bucket (not cumulative) counts, the sum, and when the series was created."""
+
+    __slots__ = ("counts", "sum", "created")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+        self.created = time.time()
+
+
+class GroupHistogram(Collector):
+    """A histogram labelled by `group` alone that takes many equal observations in one call.
+
+    prometheus_client's Histogram takes one value per call (~6 us under profile, a lock and a bucket scan);
+    at batch 256 a decode step observes 256 inter-token gaps, nearly all equal. Its /metrics text is the
+    Histogram's own: the same `_bucket`/`_count`/`_sum` series, and `_created` where the client emits it.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = (*(float(b) for b in buckets), math.inf)
+        self._le = tuple(floatToGoString(b) for b in self._bounds)
+        self._series: dict[str, _Series] = {}
+        self._lock = threading.Lock()  # as the client's metrics: /metrics may be read from another thread
+        registry.register(self)
+
+    def add_group(self, group: str) -> None:
+        """Export the group's series (at zero until observed); one that exists keeps its counts."""
+        with self._lock:
+            self._series.setdefault(group, _Series(len(self._bounds)))
+
+    def observe(self, group: str, value: float, count: int = 1) -> None:
+        """`count` observations of `value` (a value on a bucket's bound falls in that bucket, as `le` says)."""
+        i = bisect_left(self._bounds, value)
+        with self._lock:
+            series = self._series.get(group)
+            if series is None:
+                series = self._series[group] = _Series(len(self._bounds))
+            series.counts[i] += count
+            series.sum += value * count
+
+    def remove(self, group: str) -> None:
+        with self._lock:
+            self._series.pop(group, None)
+
+    def describe(self) -> Iterable[Metric]:
+        """The family without samples, so the registry refuses another metric of the same name."""
+        return [HistogramMetricFamily(self._name, self._documentation, labels=["group"])]
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["group"])
+        created = getattr(prometheus_metrics, "_use_created", True)  # what the client's own Histogram reads
+        with self._lock:
+            snapshot = [(group, list(s.counts), s.sum, s.created) for group, s in self._series.items()]
+        for group, counts, total, at in snapshot:
+            acc, buckets = 0.0, []
+            for le, n in zip(self._le, counts, strict=True):
+                acc += n
+                buckets.append((le, acc))
+            family.add_metric([group], buckets, total)
+            if created:
+                family.add_sample(self._name + "_created", {"group": group}, at)
+        return [family]
 
 
 class Metrics:
@@ -71,9 +146,8 @@ class Metrics:
             "lockstep_time_to_first_token_seconds", "Time to first token", ["group"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.itl = Histogram(
-            "lockstep_inter_token_latency_seconds", "Time between two tokens of a request", ["group"],
-            buckets=LATENCY_BUCKETS, registry=r,
+        self.itl = GroupHistogram(
+            "lockstep_inter_token_latency_seconds", "Time between two tokens of a request", LATENCY_BUCKETS, r,
         )
         self.request_duration = Histogram(
             "lockstep_request_duration_seconds", "Time from arrival to the last token", ["group"],
@@ -143,8 +217,9 @@ class Metrics:
             self.coordinator_seconds.labels(group, part)
         for state in ("waiting", "running"):
             self.requests.labels(group, state).set(0)
-        for hist in (self.ttft, self.itl, self.request_duration, self.step_duration):
+        for hist in (self.ttft, self.request_duration, self.step_duration):
             hist.labels(group)
+        self.itl.add_group(group)
         for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances,
                         self.requests_migrated, self.requests_dropped, self.routing_expected_hit_tokens,
                         self.routing_agreed_hit_tokens):

@@ -1,0 +1,225 @@
+"""The per-step dispatch of tokens to clients: the outbox each request's events wait in, and the inter-token
+latency histogram that takes a whole step's equal gaps in one observation."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from lockstep.coordinator import service
+from lockstep.coordinator.config import CoordinatorConfig
+from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.generation import GenerateSpec, TokenEvent
+from lockstep.coordinator.metrics import LATENCY_BUCKETS, Metrics
+from lockstep.coordinator.outbox import Outbox
+from lockstep.coordinator.request import FinishReason
+from lockstep.coordinator.service import Coordinator, RequestEvents, forget_group_series
+from lockstep.steps import SamplingParams
+
+ITL = "lockstep_inter_token_latency_seconds"
+
+
+class Group:
+    """The group interface the coordinator uses, recording what it is asked to abort."""
+
+    name, serving, up, draining, down_reason, load, capacity_tokens = "g0", True, True, False, "", 0, 0
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def cannot_hold(self, request) -> str:
+        return ""
+
+    def submit(self, request) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _coordinator() -> tuple[Coordinator, Group]:
+    coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=64)
+    group = coord.groups["g0"] = Group()
+    coord.metrics.init_group("g0", 1)
+    return coord, group
+
+
+def _generate(coord: Coordinator, rid: str) -> RequestEvents:
+    return coord.generate(rid, GenerateSpec([1, 2, 3], SamplingParams(), 8))
+
+
+def _token(rid: str, token: int) -> Event:
+    return Event(rid, EventKind.TOKEN, token_id=token)
+
+
+def _itl_lines(text: str, group: str) -> dict[str, float]:
+    """The group's ITL samples but `_created`, keyed by series name and `le`."""
+    out = {}
+    for m in re.finditer(rf'^{ITL}_(bucket|count|sum)\{{group="{group}"(?:,le="([^"]+)")?\}} (\S+)$', text, re.M):
+        out[m[1] + (f"@{m[2]}" if m[2] else "")] = float(m[3])
+    return out
+
+
+# ----- the outbox
+
+
+def test_the_outbox_hands_out_events_in_order_whether_put_before_or_while_the_consumer_waits():
+    async def main() -> None:
+        box: Outbox[int] = Outbox()
+        assert box.empty() and box.get_nowait() is None
+        box.put(1)
+        box.put(2)
+        assert await box.get() == 1 and box.get_nowait() == 2 and box.empty()
+        waiting = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing there: it waits
+        box.put(3)
+        box.put(4)
+        assert await asyncio.wait_for(waiting, 1) == 3 and await box.get() == 4
+
+    asyncio.run(main())
+
+
+def test_a_consumer_cancelled_while_waiting_leaves_the_outbox_working():
+    async def main() -> None:
+        box: Outbox[int] = Outbox()
+        waiting = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        box.put(5)  # no wakeup of the cancelled waiter, no error
+        assert await box.get() == 5
+        again = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        box.put(6)
+        assert await asyncio.wait_for(again, 1) == 6
+
+    asyncio.run(main())
+
+
+# ----- a request's events, through a real coordinator
+
+
+def test_a_client_reads_the_tokens_of_every_step_in_order_and_stops_after_the_finish():
+    async def main() -> None:
+        coord, group = _coordinator()
+        events = _generate(coord, "r1")
+        coord._dispatch("g0", [_token("r1", 10)])
+        coord._dispatch("g0", [_token("r1", 11)])
+        got = [(await events.__anext__()).token_id, (await events.__anext__()).token_id]
+        reading = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0)
+        assert not reading.done()  # the outbox is empty: the client waits for the next step
+        coord._dispatch("g0", [_token("r1", 12), Event("r1", EventKind.FINISHED, finish_reason=FinishReason.LENGTH)])
+        got.append((await asyncio.wait_for(reading, 1)).token_id)
+        rest = [ev async for ev in events]
+        assert got == [10, 11, 12] and [ev.finish_reason for ev in rest] == [FinishReason.LENGTH]
+        assert "r1" not in coord.live and group.aborted == []  # it finished: forgotten, not aborted
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_early_or_is_cancelled_while_waiting_aborts_its_request():
+    async def main() -> None:
+        coord, group = _coordinator()
+        first, second = _generate(coord, "r1"), _generate(coord, "r2")
+        coord._dispatch("g0", [_token("r1", 10)])
+        assert (await first.__anext__()).token_id == 10
+        await first.aclose()
+        waiting = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert group.aborted == ["r1", "r2"] and not coord.live
+        coord._dispatch("g0", [_token("r1", 11), _token("r2", 11)])  # a step already under way: dropped
+        with pytest.raises(StopAsyncIteration):
+            await first.__anext__()
+
+    asyncio.run(main())
+
+
+def test_a_failed_request_ends_its_stream_with_the_error():
+    async def main() -> None:
+        coord, group = _coordinator()
+        events = _generate(coord, "r1")
+        reading = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0)
+        coord._fail(coord.live["r1"].request, "group g0 is down")
+        ev: TokenEvent = await asyncio.wait_for(reading, 1)
+        assert ev.error == "group g0 is down" and ev.token_id is None
+        with pytest.raises(StopAsyncIteration):
+            await events.__anext__()
+        assert "r1" not in coord.live and group.aborted == []
+
+    asyncio.run(main())
+
+
+# ----- the inter-token latency histogram
+
+
+def test_dispatch_observes_each_tokens_gap_once_and_the_first_token_none(monkeypatch):
+    async def main() -> None:
+        coord, _ = _coordinator()
+        clock = SimpleNamespace(now=100.0)
+        monkeypatch.setattr(service, "time", SimpleNamespace(monotonic=lambda: clock.now))
+        for rid in ("a", "b", "c"):
+            _generate(coord, rid)
+        coord._dispatch("g0", [_token("a", 1), _token("b", 1)])  # first tokens: time to first token only
+        clock.now = 100.3
+        coord._dispatch("g0", [_token("a", 2), _token("b", 2), _token("c", 1)])  # two gaps of 0.3 s
+        clock.now = 103.3
+        coord._dispatch("g0", [_token("a", 3), _token("c", 2)])  # two gaps of 3 s
+        lines = _itl_lines(coord.metrics_text().decode(), "g0")
+        assert lines["count"] == 4 and lines["sum"] == pytest.approx(2 * 0.3 + 2 * 3.0)
+        assert (lines["bucket@0.25"], lines["bucket@0.5"], lines["bucket@2.5"], lines["bucket@5.0"]) == (0, 2, 2, 4)
+        assert lines["bucket@+Inf"] == 4
+
+    asyncio.run(main())
+
+
+def test_the_itl_histogram_counts_cumulative_buckets_sum_and_count_as_prometheus_clients_own():
+    metrics = Metrics()
+    metrics.init_group("g0", 1)
+    registry = CollectorRegistry()
+    reference = Histogram(ITL, "Time between two tokens of a request", ["group"], buckets=LATENCY_BUCKETS,
+                          registry=registry)
+    for value, count in ((0.0005, 3), (0.001, 2), (0.25, 4), (1.5, 1), (200.0, 2)):  # 0.001, 0.25: on a bound
+        metrics.itl.observe("g0", value, count)
+        for _ in range(count):
+            reference.labels("g0").observe(value)
+    ours, theirs = _itl_lines(metrics.render().decode(), "g0"), _itl_lines(generate_latest(registry).decode(), "g0")
+    assert ours.pop("sum") == pytest.approx(theirs.pop("sum"), rel=1e-12)  # v * n, not n additions of v
+    assert ours == theirs
+    assert (ours["bucket@0.001"], ours["bucket@0.25"], ours["bucket@1.0"], ours["bucket@120.0"]) == (5, 9, 9, 10)
+    assert ours["bucket@+Inf"] == ours["count"] == 12
+
+
+def test_a_groups_itl_series_exist_at_zero_from_init_group_and_leave_with_the_group():
+    metrics = Metrics()
+    for g in ("g0", "g1"):
+        metrics.init_group(g, 1)
+    text = metrics.render().decode()
+    zero = _itl_lines(text, "g1")
+    assert len(zero) == len(LATENCY_BUCKETS) + 3 and set(zero.values()) == {0.0}
+    assert f'{ITL}_created{{group="g1"}}' in text  # as every other histogram of the group
+    metrics.itl.observe("g1", 0.02, 5)
+    forget_group_series(metrics, "g1")
+    text = metrics.render().decode()
+    assert 'group="g1"' not in text and _itl_lines(text, "g0")["count"] == 0
+    metrics.init_group("g1", 1)  # a group added back at the same name starts from zero
+    assert _itl_lines(metrics.render().decode(), "g1")["count"] == 0
+
+
+def test_a_second_metric_of_the_itl_name_is_refused():
+    metrics = Metrics()
+    with pytest.raises(ValueError):
+        Histogram(ITL, "again", ["group"], registry=metrics.registry)
