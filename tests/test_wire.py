@@ -162,7 +162,7 @@ def test_logprobs_off_zero_and_k_stay_apart_and_an_unset_field_is_off():
     for k in (-1, 0, 5):
         chunk = Chunk("r", (1,), 0, sample=True, sampling=SamplingParams(logprobs=k))
         msg = plan_to_proto(Plan(step=1, batch=(chunk,)))
-        assert msg.samplings[0].HasField("logprobs") == (k != -1)
+        assert pb.SamplingParamsMsg.FromString(msg.samplings[0]).HasField("logprobs") == (k != -1)
         assert plan_from_proto(msg).batch[0].sampling.logprobs == k
     with pytest.raises(WireError, match="logprobs must be -1 \\(off\\) or >= 0, got -2"):
         plan_to_proto(Plan(step=1, batch=(Chunk("r", (1,), 0, sampling=SamplingParams(logprobs=-2)),)))
@@ -210,7 +210,8 @@ def test_penalties_and_an_empty_history_cross_the_wire_and_unset_fields_are_off(
     assert back == plan and back.batch[0].history == () and back.batch[1].history is None
     assert back.batch[0].sampling.logit_bias == ((3, 0.5), (9, -100.0))
     # an older coordinator's message (no penalty fields): every one is off, repetition 1 included
-    msg = pb.PlanMsg(step=1, batch=_columns(), samplings=[pb.SamplingParamsMsg(temperature=0.5, top_p=1.0)])
+    msg = pb.PlanMsg(step=1, batch=_columns(),
+                     samplings=[pb.SamplingParamsMsg(temperature=0.5, top_p=1.0).SerializeToString()])
     assert plan_from_proto(msg).batch[0].sampling == SamplingParams(temperature=0.5)
     assert not plan_from_proto(msg).batch[0].sampling.adjusts_logits
 
@@ -257,6 +258,8 @@ def test_bad_plan_from_the_wire_is_refused():
         with pytest.raises(WireError) as e:
             plan_from_proto(pb.PlanMsg(step=9, batch=bad))
         assert words in str(e.value)
+    with pytest.raises(WireError, match="sampling parameters that do not parse"):
+        plan_from_proto(pb.PlanMsg(step=9, batch=_columns(), samplings=[b"\xff\xff"]))
     with pytest.raises(WireError, match="request_id must be a non-empty string"):
         plan_from_proto(pb.PlanMsg(step=1, probes=[pb.ProbeMsg(keys=[b"k"])]))
 
@@ -316,7 +319,7 @@ def test_a_batch_travels_in_columns_with_each_distinct_sampling_once():
                         SamplingParams(temperature=1.0, seed=5) if i % 2 else greedy, i) for i in range(256))
     msg = plan_to_proto(Plan(step=7, batch=batch))
     expected = [pb.SamplingParamsMsg(top_p=1.0), pb.SamplingParamsMsg(temperature=1.0, top_p=1.0, seed=5)]
-    assert list(msg.samplings) == expected
+    assert [pb.SamplingParamsMsg.FromString(raw) for raw in msg.samplings] == expected
     assert list(msg.batch.sampling) == [i % 2 for i in range(256)] and not msg.batch.extras
     assert list(msg.batch.token_ids)[:4] == [0, -1, -1, 3]
     back = plan_from_proto(pb.PlanMsg.FromString(msg.SerializeToString()))

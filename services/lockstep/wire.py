@@ -162,7 +162,6 @@ def _batch_to_proto(msg: pb.PlanMsg, batch: tuple[Chunk, ...]) -> None:
         ref = table.get(c.sampling)
         if ref is None:
             ref = table[c.sampling] = len(table)
-            _sampling_to_proto(msg.samplings.add(), c.sampling)
         refs.append(ref)
         if c.history is not None or c.prompt_logprobs != -1 or c.next_token_id != -1:
             extra = b.extras[i]
@@ -180,34 +179,44 @@ def _batch_to_proto(msg: pb.PlanMsg, batch: tuple[Chunk, ...]) -> None:
     b.sample.extend(samples)
     b.sample_index.extend(indexes)
     b.sampling.extend(refs)
+    msg.samplings.extend([_sampling_bytes(s) for s in table])
 
 
-def _sampling_to_proto(m: pb.SamplingParamsMsg, s: SamplingParams) -> None:
-    m.temperature = s.temperature
-    m.top_p = s.top_p
-    m.top_k = s.top_k
-    if s.seed is not None:
-        m.seed = s.seed
-    if s.logprobs != -1:
-        m.logprobs = s.logprobs
-    if s.prompt_logprobs != -1:
-        m.prompt_logprobs = s.prompt_logprobs
-    _penalties_to_proto(m, s)
-
-
+_SAMPLING_SENT: dict[SamplingParams, bytes] = {}
 _SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
-_SAMPLING_SEEN_MAX = 4096
+_SAMPLING_CACHE_MAX = 1 << 14  # distinct parameters: about one per request held
 
 
-def _sampling_from_proto(s: pb.SamplingParamsMsg) -> SamplingParams:
-    """A plan's sampling parameters. Requests keep theirs from step to step, so a rank builds each distinct one
-    once (by its bytes) instead of at every step."""
-    key = s.SerializeToString(deterministic=True)
-    found = _SAMPLING_SEEN.get(key)
+def _sampling_bytes(s: SamplingParams) -> bytes:
+    """The serialized SamplingParamsMsg: built once per distinct parameters (a request keeps its own, seed and
+    all, for its whole life), not once per step."""
+    found = _SAMPLING_SENT.get(s)
     if found is None:
-        if len(_SAMPLING_SEEN) >= _SAMPLING_SEEN_MAX:
+        if len(_SAMPLING_SENT) >= _SAMPLING_CACHE_MAX:
+            _SAMPLING_SENT.clear()
+        m = pb.SamplingParamsMsg(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        if s.seed is not None:
+            m.seed = s.seed
+        if s.logprobs != -1:
+            m.logprobs = s.logprobs
+        if s.prompt_logprobs != -1:
+            m.prompt_logprobs = s.prompt_logprobs
+        _penalties_to_proto(m, s)
+        found = _SAMPLING_SENT[s] = m.SerializeToString(deterministic=True)
+    return found
+
+
+def _sampling_from_proto(raw: bytes) -> SamplingParams:
+    """A plan's sampling parameters from their serialized message, built once per distinct bytes."""
+    found = _SAMPLING_SEEN.get(raw)
+    if found is None:
+        try:
+            s = pb.SamplingParamsMsg.FromString(raw)
+        except Exception as e:  # protobuf's DecodeError: a WireError like any other bad field
+            raise WireError(f"sampling parameters that do not parse: {e}") from e
+        if len(_SAMPLING_SEEN) >= _SAMPLING_CACHE_MAX:
             _SAMPLING_SEEN.clear()
-        found = _SAMPLING_SEEN[key] = SamplingParams(
+        found = _SAMPLING_SEEN[raw] = SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,

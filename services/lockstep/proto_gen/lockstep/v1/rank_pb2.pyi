@@ -131,14 +131,14 @@ class PlanMsg(_message.Message):
     releases: _containers.RepeatedScalarFieldContainer[str]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitMsg]
     batch: BatchMsg
-    samplings: _containers.RepeatedCompositeFieldContainer[SamplingParamsMsg]
+    samplings: _containers.RepeatedScalarFieldContainer[bytes]
     probes: _containers.RepeatedCompositeFieldContainer[ProbeMsg]
     flush_prefix_cache: bool
     release_all: bool
     abstain: bool
     pool_split: _containers.ScalarMap[str, int]
     pool_fence: _containers.ScalarMap[str, int]
-    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Union[BatchMsg, _Mapping]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParamsMsg, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ..., pool_fence: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., releases: _Optional[_Iterable[str]] = ..., admits: _Optional[_Iterable[_Union[AdmitMsg, _Mapping]]] = ..., batch: _Optional[_Union[BatchMsg, _Mapping]] = ..., samplings: _Optional[_Iterable[bytes]] = ..., probes: _Optional[_Iterable[_Union[ProbeMsg, _Mapping]]] = ..., flush_prefix_cache: _Optional[bool] = ..., release_all: _Optional[bool] = ..., abstain: _Optional[bool] = ..., pool_split: _Optional[_Mapping[str, int]] = ..., pool_fence: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProbeAnswerMsg(_message.Message):
     __slots__ = ("request_id", "matched_pages", "pinned_pages", "sliding_runs", "sliding_pinned")
