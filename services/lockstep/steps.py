@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 log = logging.getLogger("lockstep.steps")
 
@@ -38,6 +38,11 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted({int(i): float(b) for i, b in bias}.items())))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        """Computed once: a plan's translation looks every chunk's parameters up by value (wire.py)."""
+        return self._hash
 
     @property
     def needs_history(self) -> bool:
