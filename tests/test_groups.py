@@ -224,9 +224,11 @@ def test_drain_lets_a_group_finish_what_it_holds_and_resume_takes_it_back(tiny_l
     try:
         assert set(wait_groups_up(c, {"g0", "g1"})) == {"g0", "g1"}
         p = prompt(80, 20)
-        undisturbed = complete(c, p, 200)["choices"][0]["token_ids"]
+        # long enough to still run 0.3 s after the drain call (at 200 tokens a fast step loop finished first)
+        n = 480  # of the tiny model's 512 positions, less the prompt
+        undisturbed = complete(c, p, n)["choices"][0]["token_ids"]
         with ThreadPoolExecutor(2) as pool:
-            fut = pool.submit(complete, c, p, 200)
+            fut = pool.submit(complete, c, p, n)
             deadline = time.monotonic() + 20
             running = {}
             while time.monotonic() < deadline and not any(running.values()):
@@ -253,7 +255,7 @@ def test_drain_lets_a_group_finish_what_it_holds_and_resume_takes_it_back(tiny_l
         status, body = http("POST", c.url + f"/admin/drain?group={busy}&migrate=maybe")
         assert status == 400 and body["error"]["param"] == "migrate"
         with ThreadPoolExecutor(1) as pool:  # migrate=true: the running request moves at a step boundary
-            fut = pool.submit(complete, c, p, 200)
+            fut = pool.submit(complete, c, p, n)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not sum(c.metric("lockstep_requests", state="running")):
                 time.sleep(0.02)
