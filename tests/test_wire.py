@@ -27,8 +27,6 @@ from lockstep.steps import (
 )
 from lockstep.wire import (
     WireError,
-    _check_chunk,
-    _plain_batch,
     info_from_proto,
     info_to_proto,
     plan_from_proto,
@@ -335,10 +333,23 @@ bad_chunks = st.builds(
     history=st.none() | st.lists(st.integers(-1, 2), max_size=3).map(tuple))
 
 
+def _refusal(plan: Plan) -> str:
+    try:
+        plan_to_proto(plan)
+    except WireError as e:
+        return str(e)
+    return ""
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(bad_chunks, max_size=4).map(tuple))
-def test_the_bulk_check_of_a_batch_passes_only_what_the_per_chunk_check_passes(batch):
-    """`_plain_batch` lets a batch skip the per-chunk checks: it must never let through a chunk they refuse."""
-    if _plain_batch(batch):
-        for i, chunk in enumerate(batch):
-            _check_chunk(chunk, f"batch[{i}]")
+def test_a_batch_is_refused_exactly_when_one_of_its_chunks_alone_is_and_names_the_first(batch):
+    """The batch check takes each distinct sampling once and formats a message only on failure: it must refuse
+    what checking every chunk on its own refuses, no more, and name the first chunk that fails."""
+    alone = [_refusal(Plan(step=2, batch=(chunk,))) for chunk in batch]
+    first = next((i for i, why in enumerate(alone) if why), None)
+    why = _refusal(Plan(step=2, batch=batch))
+    if first is None:
+        assert why == ""
+    else:
+        assert why == alone[first].replace("batch[0]", f"batch[{first}]", 1)

@@ -52,30 +52,57 @@ def _request_id(request_id: str, where: str) -> str:
     return request_id
 
 
-def _check_chunk(chunk: Chunk, where: str) -> None:
-    _request_id(chunk.request_id, where)
-    if not chunk.token_ids:
-        raise WireError(f"{where} ({chunk.request_id!r}): a chunk needs at least one token")
-    if chunk.start < 0:
-        raise WireError(f"{where} ({chunk.request_id!r}): start must be >= 0, got {chunk.start}")
-    if chunk.sample_index < 0:
-        raise WireError(
-            f"{where} ({chunk.request_id!r}): sample_index must be >= 0, got {chunk.sample_index}"
-        )
-    for name, value in (("logprobs", chunk.sampling.logprobs), ("prompt_logprobs", chunk.sampling.prompt_logprobs),
-                        ("chunk prompt_logprobs", chunk.prompt_logprobs), ("next_token_id", chunk.next_token_id)):
-        if value < -1:
-            raise WireError(f"{where} ({chunk.request_id!r}): {name} must be -1 (off) or >= 0, got {value}")
-    if chunk.sampling.min_tokens < 0:
-        raise WireError(f"{where} ({chunk.request_id!r}): min_tokens must be >= 0, got {chunk.sampling.min_tokens}")
-    if chunk.history is not None and len(chunk.history) != chunk.start:
-        raise WireError(f"{where} ({chunk.request_id!r}): a history holds the {chunk.start} tokens before the chunk, "
-                        f"got {len(chunk.history)}")
-    if chunk.pending and not (chunk.sample and chunk.history is None):
-        raise WireError(f"{where} ({chunk.request_id!r}): a pending token is a decode that samples, without history")
-    negative = [t for t in (*(() if chunk.pending else chunk.token_ids), *(chunk.history or ())) if t < 0]
-    if negative:
-        raise WireError(f"{where} ({chunk.request_id!r}): token ids must be >= 0, got {negative[0]}")
+def _check_batch(batch: tuple[Chunk, ...], where: str) -> None:
+    """Every chunk, with each distinct sampling checked once (a decode step repeats every request's) and the
+    message, which names the chunk, formatted only for one that fails."""
+    distinct = {id(c.sampling): c.sampling for c in batch}
+    sampling_errors = {key: _sampling_error(sampling) for key, sampling in distinct.items()}
+    for i, c in enumerate(batch):
+        why = _chunk_error(c) or sampling_errors[id(c.sampling)]
+        if why:
+            at = f"{where} batch[{i}]"
+            _request_id(c.request_id, at)
+            raise WireError(f"{at} ({c.request_id!r}): {why}")
+
+
+def _chunk_error(c: Chunk) -> str:
+    """Why the chunk cannot be one, its sampling aside; "" when it can."""
+    if type(c.request_id) is not str or not c.request_id:
+        return "request_id must be a non-empty string"
+    if not c.token_ids:
+        return "a chunk needs at least one token"
+    if c.start < 0:
+        return f"start must be >= 0, got {c.start}"
+    if c.sample_index < 0:
+        return f"sample_index must be >= 0, got {c.sample_index}"
+    if c.prompt_logprobs < -1:
+        return f"chunk prompt_logprobs must be -1 (off) or >= 0, got {c.prompt_logprobs}"
+    if c.next_token_id < -1:
+        return f"next_token_id must be -1 (off) or >= 0, got {c.next_token_id}"
+    return _tokens_error(c)
+
+
+def _tokens_error(c: Chunk) -> str:
+    """Why the chunk's tokens and history cannot be; "" when they can."""
+    tokens, history = c.token_ids, c.history
+    if history is not None and len(history) != c.start:
+        return f"a history holds the {c.start} tokens before the chunk, got {len(history)}"
+    if tokens == (PENDING_TOKEN,):
+        if not c.sample or history is not None:
+            return "a pending token is a decode that samples, without history"
+    elif min(tokens) < 0:
+        return f"token ids must be >= 0, got {next(t for t in tokens if t < 0)}"
+    if history and min(history) < 0:
+        return f"token ids must be >= 0, got {next(t for t in history if t < 0)}"
+    return ""
+
+
+def _sampling_error(s: SamplingParams) -> str:
+    if s.logprobs < -1:
+        return f"logprobs must be -1 (off) or >= 0, got {s.logprobs}"
+    if s.prompt_logprobs < -1:
+        return f"prompt_logprobs must be -1 (off) or >= 0, got {s.prompt_logprobs}"
+    return f"min_tokens must be >= 0, got {s.min_tokens}" if s.min_tokens < 0 else ""
 
 
 def _check_plan(plan: Plan) -> None:
@@ -87,29 +114,10 @@ def _check_plan(plan: Plan) -> None:
     for i, admit in enumerate(plan.admits):
         _request_id(admit.request_id, f"{where} admits[{i}]")
         _keys(admit.prefix_keys, f"{where} admits[{i}].prefix_keys")
-    if not _plain_batch(plan.batch):
-        for i, chunk in enumerate(plan.batch):
-            _check_chunk(chunk, f"{where} batch[{i}]")
+    _check_batch(plan.batch, where)
     for i, probe in enumerate(plan.probes):
         _request_id(probe.request_id, f"{where} probes[{i}]")
         _keys(probe.keys, f"{where} probes[{i}].keys")
-
-
-def _plain_batch(batch: tuple[Chunk, ...]) -> bool:
-    """Whether every chunk passes `_check_chunk`, checked in bulk for the common batch (single tokens or prompt
-    chunks of known tokens, no history, no prompt scoring; each distinct sampling once): a decode step of 256
-    chunks would otherwise spend most of its translation here. False sends the batch to the per-chunk check,
-    which names what is wrong."""
-    for c in batch:
-        if (type(c.request_id) is not str or not c.request_id or c.history is not None or c.prompt_logprobs != -1
-                or c.next_token_id != -1 or c.start < 0 or c.sample_index < 0 or not c.token_ids):
-            return False
-        if c.token_ids[0] < 0 and not (c.token_ids == (PENDING_TOKEN,) and c.sample):
-            return False
-        if len(c.token_ids) > 1 and min(c.token_ids) < 0:
-            return False
-    samplings = {id(c.sampling): c.sampling for c in batch}.values()
-    return all(s.logprobs >= -1 and s.prompt_logprobs >= -1 and s.min_tokens >= 0 for s in samplings)
 
 
 def _penalties_to_proto(m: pb.SamplingParamsMsg, s: SamplingParams) -> None:
