@@ -2,8 +2,8 @@
 
 asyncio.Queue costs ~12 us a put with its getter and unfinished-task bookkeeping; at batch 256 every decode
 step puts 256 events, so the step loop spent a large share of its own time there. An outbox has one consumer
-and no bound: a put appends, and wakes the consumer only when it is waiting; a get takes without awaiting
-while events are there.
+and no bound: a put appends, and wakes the consumer only when it is waiting; a get returns at once (the
+coroutine never suspends) while events are there.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ class Outbox(Generic[T]):
 
     def empty(self) -> bool:
         return not self._items
-
-    def get_nowait(self) -> T | None:
-        """The oldest event, or None when there is none (events are never None)."""
-        items = self._items
-        return items.popleft() if items else None
 
     async def get(self) -> T:
         """The oldest event, waiting for one only when there is none. One consumer: a second caller waiting

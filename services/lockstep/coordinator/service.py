@@ -65,13 +65,11 @@ class RequestEvents:
     async def __anext__(self) -> TokenEvent:
         if self._done:
             raise StopAsyncIteration
-        ev = self._queue.get_nowait()  # at batch 256 most reads find a token there: no await, no wakeup
-        if ev is None:
-            try:
-                ev = await self._queue.get()
-            except BaseException:
-                await self.aclose()
-                raise
+        try:
+            ev: TokenEvent = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
         if ev.finish_reason is not None or ev.error:
             self._done = True
             self._coordinator._end(self._request_id, finished=True)
