@@ -166,6 +166,26 @@ def test_a_failed_request_ends_its_stream_with_the_error():
 # ----- the inter-token latency histogram
 
 
+def test_ending_the_streams_at_shutdown_ends_every_open_one_with_the_error_and_aborts_its_request():
+    """Past the shutdown grace the coordinator ends the streams itself instead of waiting for aiohttp to cancel
+    their handlers: a waiting client and one with tokens unread both read on to the error, then stop."""
+    async def main() -> None:
+        coord, group = _coordinator()
+        waiting, behind = _generate(coord, "r1"), _generate(coord, "r2")
+        reading = asyncio.ensure_future(waiting.__anext__())
+        await asyncio.sleep(0)
+        coord._dispatch("g0", [_token("r2", 7)])
+        coord.end_streams("the server is shutting down")
+        assert (await asyncio.wait_for(reading, 1)).error == "the server is shutting down"
+        assert (await behind.__anext__()).token_id == 7 and (await behind.__anext__()).error
+        for events in (waiting, behind):
+            with pytest.raises(StopAsyncIteration):
+                await events.__anext__()
+        assert sorted(group.aborted) == ["r1", "r2"] and not coord.live
+
+    asyncio.run(main())
+
+
 def test_dispatch_observes_each_tokens_gap_once_and_the_first_token_none(monkeypatch):
     async def main() -> None:
         coord, _ = _coordinator()

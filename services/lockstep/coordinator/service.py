@@ -382,18 +382,22 @@ class Coordinator:
         if not finished and runner is not None:
             runner.abort(request_id)
 
+    def end_streams(self, reason: str) -> None:
+        """End every open stream now with an error event and abort its request (a shutdown past its grace)."""
+        for request_id, live in list(self.live.items()):
+            live.queue.put(TokenEvent(None, None, live.request.cached_tokens, error=reason))
+            self._end(request_id, finished=False)
+
     def _dispatch(self, group: str, events: list[Event]) -> None:
-        """A step's events to their clients. At batch 256 this runs for 256 tokens a step, so the inter-token
-        gaps (all tokens share `now`, most the same last step) are observed once per distinct gap."""
+        """A step's events to their clients; inter-token gaps observed once per distinct gap (batch 256)."""
         now = time.monotonic()
         gaps: Counter[float] = Counter()  # by the previous token's time: how many tokens came after it
         tokens = 0
-        live_of, token_kind = self.live.get, EventKind.TOKEN
         for ev in events:
-            live = live_of(ev.request_id)
+            live = self.live.get(ev.request_id)
             if live is None:
                 continue
-            if ev.kind == token_kind:
+            if ev.kind == EventKind.TOKEN:
                 if live.last_token_at is None:
                     self.metrics.ttft.labels(group).observe(now - live.arrived)
                     self._settle_expectation(group, live)
