@@ -7,14 +7,18 @@ cuts them off; `lockstep serve` (the coordinator's `run`) does the same on a sig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import subprocess
 import time
 import urllib.request
 
 import aiohttp
+import pytest
 from aiohttp import web
 
+from lockstep.coordinator.main import bounded, run_to_end
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, run_app
 from lockstep.local_group import free_port
 from test_serve import _serving, _wait_healthy
@@ -101,11 +105,15 @@ def test_sigterm_ends_lockstep_serve_and_its_open_stream_within_the_grace(tiny_l
             ended = time.monotonic() - t0
         try:
             proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the coordinator logs where each of its tasks waits
+            time.sleep(1.0)
         finally:
             exited = time.monotonic() - t0
             text = log.read_text()
     why = f"stream ended after {ended:.1f} s, process after {exited:.1f} s; last events {events[-3:]}; " \
           f"log: {text[-3000:]}"
+    assert proc.returncode is not None, why
     assert ended < SHUTDOWN_GRACE_S + 5, why
     assert exited < SHUTDOWN_GRACE_S + 20, why  # `lockstep serve` stops its ranks after the coordinator
     assert proc.returncode == 0, why
@@ -117,3 +125,64 @@ def http_client_errors() -> type[Exception]:
     import http.client
 
     return http.client.IncompleteRead
+
+
+def test_a_shutdown_stage_that_hangs_is_logged_with_every_task_and_left_after_its_time(caplog):
+    """Each stage of the coordinator's stop is bounded: a stage that never ends, even one that ignores its
+    cancellation, holds the stop up for its time only, and the log says where every task waited."""
+
+    released = False
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if released:  # so that asyncio.run, which cancels what is left, can end
+                    raise
+
+    async def main() -> float:
+        nonlocal released
+        t0 = time.monotonic()
+        await bounded(stubborn(), 0.2, "the stubborn stage")
+        released = True
+        return time.monotonic() - t0
+
+    with caplog.at_level("WARNING", logger="lockstep.coordinator"):
+        took = asyncio.run(_with_timeout(main(), 5))
+    assert 0.15 < took < 1.0, took
+    text = caplog.text
+    assert "waited 0.2 s for the stubborn stage" in text, text
+    assert "stubborn (test_shutdown.py:" in text, text  # the hanging coroutine, with where it waits
+
+
+def test_a_shutdown_stage_that_fails_raises_its_error():
+    async def failing() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(bounded(failing(), 1.0, "a failing stage"))
+
+
+async def _with_timeout(work, seconds: float):
+    return await asyncio.wait_for(work, seconds)
+
+
+def test_run_to_end_returns_what_main_returned_though_a_task_it_left_ignores_its_cancellation(caplog):
+    """What `lockstep serve` and `lockstep coordinator` run their loop with: asyncio.run would wait for such a
+    task for ever, and the process would outlive its stop."""
+    async def stubborn() -> None:  # left pending when the loop closes (Python says so when it is collected)
+        while True:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    async def main() -> int:
+        asyncio.ensure_future(stubborn())
+        await asyncio.sleep(0)
+        return 7
+
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="lockstep.coordinator"):
+        assert run_to_end(main(), timeout=0.3) == 7
+    assert time.monotonic() - t0 < 2.0
+    assert "task(s) left at the end to finish" in caplog.text and "stubborn (test_shutdown.py:" in caplog.text

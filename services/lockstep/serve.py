@@ -9,7 +9,6 @@ replays the requests it held there on the groups still up; Ctrl-C stops them all
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import time
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         model=str(model_dir), host=args.host, http_port=args.port, grpc_port=args.port + 1,
         api_keys=args.api_keys, **coordinator_settings(args),
     )
-    from lockstep.coordinator.main import run
+    from lockstep.coordinator.main import run, run_to_end
 
     started = time.monotonic()
 
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     supervisors = [ranks for ranks, _ in groups.values()]
     try:
-        return asyncio.run(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
+        return run_to_end(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
                                on_group_up=lambda name: groups[name][0].mark_whole()))
     except KeyboardInterrupt:
         return 130
