@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distributed import run_distributed
-from lockstep.model.sampling import allowed_mask, check_params, sample, token_logprobs
+from lockstep.model.sampling import allowed_mask, check_params, is_greedy, sample, token_logprobs
 from lockstep.parallel.comm import Comm
 from lockstep.steps import SamplingParams
 
@@ -69,6 +69,23 @@ def test_seeded_sampling_is_reproducible_and_depends_on_the_seed():
     big = 2**64 + 5  # seeds derived by hashing may exceed 64 bits
     assert sample(logits, [p], [big]) == sample(logits, [p], [big])
     assert sample(logits, [p], [-7]) == sample(logits, [p], [-7])
+
+
+def test_seeds_given_as_a_function_are_asked_for_the_drawing_rows_only_and_draw_the_same_tokens():
+    """The engine passes its per-draw seeds as a function of the row, so a greedy row costs no seed hash."""
+    logits = logits_rows(4, seed=3)
+    params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(top_k=1, temperature=1.0),
+              SamplingParams(temperature=1.2, top_p=0.9)]
+    seeds = [11, 22, 33, 44]
+    asked: list[int] = []
+
+    def seed_of(i: int) -> int:
+        asked.append(i)
+        return seeds[i]
+
+    assert sample(logits, params, seed_of) == sample(logits, params, seeds)
+    assert asked == [1, 3]
+    assert [is_greedy(p) for p in params] == [True, False, True, False]
 
 
 def test_pinned_draws():

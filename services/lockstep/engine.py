@@ -224,7 +224,7 @@ class Engine:
             tokens = sample(
                 self._adjusted(batch, rows, logits),
                 [c.sampling for c in chosen],
-                [sample_seed(c.request_id, c.sampling.seed, c.sample_index) for c in chosen],
+                lambda i: sample_seed(chosen[i].request_id, chosen[i].sampling.seed, chosen[i].sample_index),
             )
             sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
             sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
@@ -269,7 +269,8 @@ class Engine:
 def _resolved(plan: Plan, drawn: list[int]) -> Plan:
     """The plan with its pending chunks' tokens filled in, in batch order."""
     tokens = iter(drawn)
-    batch = tuple(dataclasses.replace(c, token_ids=(next(tokens),)) if c.pending else c for c in plan.batch)
+    batch = tuple(Chunk(c.request_id, (next(tokens),), c.start, c.sample, c.sampling, c.sample_index,
+                        c.prompt_logprobs, c.next_token_id, c.history) if c.pending else c for c in plan.batch)
     return dataclasses.replace(plan, batch=batch)
 
 

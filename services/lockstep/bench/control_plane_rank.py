@@ -6,7 +6,7 @@ It is `lockstep rank` (`rank.main.run`: the real RankServer, RankServicer and St
 swapped: `NoopForwardEngine`, whose forward returns a token per sampling chunk without running a model.
 Everything else a GPU rank does on the host per step is real: the plan's deserialization, the RankCache's
 releases, pins, allocations, commits and probe answers, the group's agreement all-reduce (over gloo at TP > 1
-unless `--no-agreement`), the per-draw seed, the report and its serialization. So the step time the
+unless `--no-agreement`), the per-draw seeds of rows that draw, the report and its serialization. So the step time the
 coordinator sees is the control plane's own, which on a GPU sits next to a forward of a few milliseconds.
 
 This is a benchmark mode only: neither `lockstep rank` nor `lockstep serve` can select this engine, and a
@@ -34,6 +34,7 @@ from lockstep.kv.paging import POOL_FULL
 from lockstep.kv.rank_cache import RankCache
 from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
+from lockstep.model.sampling import is_greedy
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.rank import service
 from lockstep.rank.main import RankConfig, run
@@ -58,8 +59,9 @@ class NoopForwardEngine(Engine):
     that runs no model.
 
     Subclassing keeps the step protocol's host-side order exactly the serving engine's; only `_run`, the
-    forward and sampling, is replaced by a token per sampling chunk, drawn from the chunk's per-draw seed
-    (`sample_seed`, as the real sampler seeds it) so every rank returns the same id and none is EOS.
+    forward and sampling, is replaced by a token per sampling chunk that only the request and its index decide
+    (from its per-draw seed, `sample_seed`, where the real sampler would derive one), so every rank returns
+    the same id and none is EOS.
     `agreement=False` skips the group's all-reduce, to tell its cost from the rest at TP > 1.
     """
 
@@ -86,17 +88,22 @@ class NoopForwardEngine(Engine):
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         if self.agreement:
             return super()._pending_tokens(plan, error)
-        return [self._draw(c.request_id, c.sampling.seed, c.sample_index - 1) for c in plan.batch if c.pending], error
+        return [self._draw(c, c.sample_index - 1) for c in plan.batch if c.pending], error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
         return super()._agree(step, error, drawn) if self.agreement else (bool(error), drawn)
 
-    def _draw(self, request_id: str, seed: int | None, index: int) -> int:
-        return FIRST_TOKEN + sample_seed(request_id, seed, index) % (self.config.vocab_size - FIRST_TOKEN)
+    def _draw(self, chunk: Chunk, index: int) -> int:
+        """A token only (request, index) decides: a greedy row's from its index alone (the real sampler derives no
+        seed for it), a drawn row's from its per-draw seed, as the real sampler's."""
+        if is_greedy(chunk.sampling):
+            mixed = (index * 0x9E3779B1 + len(chunk.request_id)) & 0xFFFFFFFF
+        else:
+            mixed = sample_seed(chunk.request_id, chunk.sampling.seed, index)
+        return FIRST_TOKEN + mixed % (self.config.vocab_size - FIRST_TOKEN)
 
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
-        sampled = tuple(Sampled(c.request_id, self._draw(c.request_id, c.sampling.seed, c.sample_index))
-                        for c in batch if c.sample)
+        sampled = tuple(Sampled(c.request_id, self._draw(c, c.sample_index)) for c in batch if c.sample)
         for chunk in batch:
             self.cache.advance(chunk)
         return sampled, ()

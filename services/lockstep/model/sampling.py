@@ -24,7 +24,7 @@ differently in a vector lane than in a loop's scalar tail, so it never sees a ba
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +94,18 @@ def _as(cast: type, value: object, default: float) -> Any:
         return default
 
 
+def is_greedy(p: SamplingParams) -> bool:
+    """Whether `sample` takes the argmax for these parameters (it draws no seed for them)."""
+    return _Row.of(p, 2).greedy
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int]) -> list[int]:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           seeds: Sequence[int] | Callable[[int], int]) -> list[int]:
     """One token id per row: argmax at temperature 0, else a seeded draw from the filtered softmax.
+
+    `seeds` is a seed per row, or the function of a row's index that gives it, called only for the rows that
+    draw (a greedy one needs none; a step of 256 greedy rows would otherwise hash 256 seeds for nothing).
 
     Degenerate inputs have these answers, the same on every rank:
     - NaN logits count as -inf. A row with +inf logits draws uniformly among its +inf tokens (the
@@ -114,8 +123,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if logits.dim() != 2:
         raise ValueError(f"logits must be [seqs, vocab], got shape {tuple(logits.shape)}")
     n, vocab = logits.shape
-    if not len(params) == len(seeds) == n:
-        raise ValueError(f"{n} rows of logits but {len(params)} params and {len(seeds)} seeds")
+    n_seeds = n if callable(seeds) else len(seeds)
+    if not len(params) == n_seeds == n:
+        raise ValueError(f"{n} rows of logits but {len(params)} params and {n_seeds} seeds")
     if vocab == 0:
         raise ValueError("logits have an empty vocabulary")
     rows = [_Row.of(p, vocab) for p in params]
@@ -127,7 +137,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     drawn = [i for i, r in enumerate(rows) if not r.greedy]
     if drawn:
         x = (logits if len(drawn) == n else logits[drawn]).to("cpu", torch.float32)
-        tokens = _draw(x, [rows[i] for i in drawn], [int(seeds[i]) for i in drawn])
+        seed_of = seeds if callable(seeds) else seeds.__getitem__
+        tokens = _draw(x, [rows[i] for i in drawn], [int(seed_of(i)) for i in drawn])
         for i, token in zip(drawn, tokens, strict=True):
             out[i] = token
     return out
