@@ -277,6 +277,10 @@ class PagePool:
         """`owner`'s pages in position order (page i holds tokens [i*page_size, (i+1)*page_size))."""
         return list(self._table(owner))
 
+    def held(self, owner: str) -> int:
+        """How many pages `owner`'s table holds (its `table`'s length, without copying it)."""
+        return len(self._table(owner))
+
     def owners(self) -> list[str]:
         return list(self._tables)
 

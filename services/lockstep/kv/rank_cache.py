@@ -276,7 +276,8 @@ class RankCache:
         end = chunk.start + len(chunk.token_ids)
         if end > self.max_model_len:
             raise StepRefused(f"request {chunk.request_id}: position {end} is past the model's context")
+        pages = pages_for(end, self.page_size)
         for name, pool in self.pools.items():
-            need = pages_for(end, self.page_size) - len(self.table(chunk.request_id, name))
+            need = pages - pool.held(chunk.request_id) - (seq.first if name == POOL_SLIDING else 0)
             if need > 0:
                 pool.allocate(chunk.request_id, need)

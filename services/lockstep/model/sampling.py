@@ -23,6 +23,7 @@ differently in a vector lane than in a loop's scalar tail, so it never sees a ba
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,8 +95,10 @@ def _as(cast: type, value: object, default: float) -> Any:
         return default
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def is_greedy(p: SamplingParams) -> bool:
-    """Whether `sample` takes the argmax for these parameters (it draws no seed for them)."""
+    """Whether `sample` takes the argmax for these parameters (it draws no seed for them). Cached: a step asks
+    it for every row, and the rows of one request share one params object (its hash is computed once)."""
     return _Row.of(p, 2).greedy
 
 
