@@ -146,19 +146,21 @@ def test_a_pool_never_shrinks_under_a_live_request():
     pool.check()
 
 
-def drive(seed: int, ranks: list[tuple[int, int]], policy: RebalancePolicy, n: int = 90) -> Group:
-    """Long prompts, then many short ones, on divergent ranks; checks every step and the outputs."""
+def drive(seed: int, ranks: list[tuple[int, int]], policy: RebalancePolicy, n: int = 90, overlap: bool = False
+          ) -> Group:
+    """Long prompts, then many short ones, on divergent ranks; checks every step and the outputs. With
+    `overlap`, plans are built ahead wherever the scheduler can (never at a step where the rebalancer checks)."""
     rng = random.Random(seed)
     rb = Rebalancer(policy, PS, WINDOW, COST, max_model_len=64)
     sched = make_sched(ranks=len(ranks), budget=12, seqs=6, window=WINDOW, rebalancer=rb)
-    g = Group(sched, [f for f, _ in ranks], sliding=[s for _, s in ranks])
+    g = Group(sched, [f for f, _ in ranks], sliding=[s for _, s in ranks], overlap=overlap)
     reqs = []
     for i in range(n):
         prompt_len = rng.randint(24, 40) if i < n // 3 else rng.randint(2, 6)
         reqs.append(Request(f"r{i}", [rng.randrange(VOCAB) for _ in range(prompt_len)], SamplingParams(),
                             rng.randint(1, 12)))
     nxt, splits = 0, []
-    while nxt < len(reqs) or sched.has_work():
+    while nxt < len(reqs) or sched.has_work() or g.ahead is not None:
         if nxt >= n // 3 or not sched.has_work():  # the long prompts first, on their own
             for req in reqs[nxt:nxt + 2]:
                 sched.add(req)
@@ -166,6 +168,8 @@ def drive(seed: int, ranks: list[tuple[int, int]], policy: RebalancePolicy, n: i
         flush = (rng.randrange(len(ranks)),) if rng.random() < 0.03 else ()
         g.run_step(flush=flush)
         plan = g.plans[-1]
+        if any(c.pending for c in plan.batch):  # built ahead: never where a rebalance could have been decided
+            assert not rb.checks_at(plan.step), plan.step
         if plan.pool_split:
             assert not plan.batch and not plan.admits
             for r in g.ranks:  # the very split, on every rank
@@ -176,13 +180,16 @@ def drive(seed: int, ranks: list[tuple[int, int]], policy: RebalancePolicy, n: i
         r.assert_idle()
     for req in reqs:
         assert req.finish_reason in ("length", "stop") and req.generated == reference(req), req
+    assert sched.stats.failed_steps == 0  # no rank ever refused a step, rebalances and steps built ahead included
     return g, splits
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_shifting_workload_rebalances_toward_sliding_and_outputs_never_change(seed: int):
+def test_a_shifting_workload_rebalances_toward_sliding_and_outputs_never_change(seed: int, overlap: bool):
     policy = RebalancePolicy(interval_steps=3, cooldown_s=0.0, min_samples=4, threshold=1.1)
-    g, splits = drive(seed, [(60, 30), (50, 26), (64, 34)], policy)
+    g, splits = drive(seed, [(60, 30), (50, 26), (64, 34)], policy, overlap=overlap)
+    assert (g.ahead_plans > 0) == overlap  # a group with a rebalancer plans ahead between its checks
     long_phase = [s for short, s in splits if not short]
     short_phase = [s for short, s in splits if short]
     assert long_phase and short_phase, f"the shift from long prompts to short ones moved no page: {splits}"
@@ -193,6 +200,8 @@ def test_a_shifting_workload_rebalances_toward_sliding_and_outputs_never_change(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10_000), st.lists(st.tuples(st.integers(40, 80), st.integers(20, 40)), min_size=1, max_size=3),
-       st.integers(2, 7))
-def test_random_rebalances_over_divergent_ranks_never_refuse(seed: int, ranks: list[tuple[int, int]], every: int):
-    drive(seed, ranks, RebalancePolicy(interval_steps=every, cooldown_s=0.0, min_samples=2, threshold=1.05), n=40)
+       st.integers(2, 7), st.booleans())
+def test_random_rebalances_over_divergent_ranks_never_refuse(seed: int, ranks: list[tuple[int, int]], every: int,
+                                                            overlap: bool):
+    drive(seed, ranks, RebalancePolicy(interval_steps=every, cooldown_s=0.0, min_samples=2, threshold=1.05), n=40,
+          overlap=overlap)

@@ -119,6 +119,11 @@ class Rebalancer:
         """A request finished after holding `positions` positions."""
         self.uses.append(request_pages(positions, self.page_size, self.window))
 
+    def checks_at(self, step: int) -> bool:
+        """Whether `decide` may move anything at `step`: at no other step can a plan built ahead of its reports
+        (overlap) miss a rebalance."""
+        return self.policy.enabled and step % self.policy.interval_steps == 0
+
     def decide(self, step: int, now: float, reports: Sequence[Report]) -> Move | None:
         """What plan `step` carries out, or None (no check due, or no move worth it now).
 
@@ -127,7 +132,7 @@ class Rebalancer:
         (or after `fence_checks` checks, with what can be moved then) the split follows.
         """
         p = self.policy
-        if not p.enabled or not reports or step % p.interval_steps:
+        if not reports or not self.checks_at(step):
             return None
         if self.fence is not None:
             return self._after_fence(reports)

@@ -236,11 +236,11 @@ class Scheduler(Admitting):
     def plan_ahead(self, step: int) -> Plan | None:
         """Plan `step` while the plan before it is in flight (overlap), from the last applied reports and what
         that plan takes; None when the next plan must wait for its reports: something waits to be admitted
-        (with seats for it), some request cannot grow or scores its prompt, the group rebalances, or the plan
-        in flight was not a plain work step."""
+        (with seats for it), some request cannot grow or scores its prompt, the group may rebalance at `step`
+        (its rebalancer checks there), or the plan in flight was not a plain work step."""
         last = self._last_plan
         if (len(self._flight) != 1 or last.step + 1 != step or not last.batch or last.step == self._after_refusal
-                or not self._reports or self.rebalancer is not None
+                or not self._reports or self.rebalancer is not None and self.rebalancer.checks_at(step)
                 or self.waiting and len(self.running) < self.max_num_seqs
                 or any(r.scoring_prompt for r in self.running)):
             return None
