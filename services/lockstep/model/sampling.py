@@ -123,14 +123,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     - fp16/bf16 logits are widened to float32 (exactly) before any arithmetic.
     Only a caller's mismatch of shapes is refused (a bug, never request content).
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [seqs, vocab], got shape {tuple(logits.shape)}")
-    n, vocab = logits.shape
-    n_seeds = n if callable(seeds) else len(seeds)
-    if not len(params) == n_seeds == n:
-        raise ValueError(f"{n} rows of logits but {len(params)} params and {n_seeds} seeds")
-    if vocab == 0:
-        raise ValueError("logits have an empty vocabulary")
+    n, vocab = _shape(logits)
+    seed_of = _seed_function(seeds, n, len(params))
     rows = [_Row.of(p, vocab) for p in params]
     out = [0] * n
     greedy = [i for i, r in enumerate(rows) if r.greedy]
@@ -140,11 +134,27 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     drawn = [i for i, r in enumerate(rows) if not r.greedy]
     if drawn:
         x = (logits if len(drawn) == n else logits[drawn]).to("cpu", torch.float32)
-        seed_of = seeds if callable(seeds) else seeds.__getitem__
         tokens = _draw(x, [rows[i] for i in drawn], [int(seed_of(i)) for i in drawn])
         for i, token in zip(drawn, tokens, strict=True):
             out[i] = token
     return out
+
+
+def _shape(logits: torch.Tensor) -> tuple[int, int]:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [seqs, vocab], got shape {tuple(logits.shape)}")
+    n, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError("logits have an empty vocabulary")
+    return n, vocab
+
+
+def _seed_function(seeds: Sequence[int] | Callable[[int], int], n: int, n_params: int) -> Callable[[int], int]:
+    """A row's seed by its index, whichever way `sample` was given them; a count that does not match is a bug."""
+    n_seeds = n if callable(seeds) else len(seeds)
+    if not n_params == n_seeds == n:
+        raise ValueError(f"{n} rows of logits but {n_params} params and {n_seeds} seeds")
+    return seeds if callable(seeds) else seeds.__getitem__
 
 
 def _draw(x: torch.Tensor, rows: list[_Row], seeds: list[int]) -> list[int]:
