@@ -372,14 +372,15 @@ class Scheduler(Admitting):
                 self._book.record(report.step, report.rank, answer)
         sampled = {s.request_id: s for report in reversed(reports) for s in report.sampled}  # the first rank's
         scores = {p.request_id: p for report in reversed(reports) for p in report.prompt_logprobs}
-        for chunk in plan.batch:
-            req = self.requests.get(chunk.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+        requests, running = self.requests, RequestStatus.RUNNING
+        for chunk in plan.batch:  # once per running request every step: kept to plain lookups (batch 256)
+            req = requests.get(chunk.request_id)
+            if req is None or req.status is not running:
                 continue
             if req.num_computed != chunk.start:
                 raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {chunk.start}")
             req.num_computed = chunk.start + len(chunk.token_ids)
-            scored = req.take_prompt_scores(chunk, scores.get(req.request_id))
+            scored = chunk.prompt_logprobs < 0 or req.take_prompt_scores(chunk, scores.get(req.request_id))
             if not chunk.sample:
                 continue
             got = sampled.get(req.request_id)
@@ -387,8 +388,9 @@ class Scheduler(Admitting):
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
+            prompt_logprobs = req.prompt_logprobs_to_send() if req.sampling.prompt_logprobs >= 0 else None
             events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
-                                prompt_logprobs=req.prompt_logprobs_to_send()))
+                                prompt_logprobs=prompt_logprobs))
             if reason is not None:
                 events.append(self._finish(req, reason))
 
