@@ -1,6 +1,7 @@
 """Decode tokens/s of the in-process engine next to transformers' `generate`, on the same weights.
 
-Both run greedy, in fp32 on the CPU, with the same thread count and the same prompts. Only decode
+Both run greedy, on the same device (`--device`, default the one a rank would pick: `lockstep.device`), in the
+same dtype (`--dtype`, default float32), with the same thread count and the same prompts. Only decode
 is timed, directly, on both: from the moment the first token (the prefill's) is out to the moment
 the N-th is, so N - 1 decode steps in which every sequence gets one token (for the engine, one plan
 per step, as the coordinator sends them; for transformers, a stopping criterion that only reads
@@ -8,11 +9,16 @@ the clock). Batches above one use prompts of mixed lengths (left padding and an 
 transformers), which is where a padded batch pays for its padding and a paged one does not.
 
     LOCKSTEP_CACHE_DIR=/tmp/lockstep-test-builtin/cache python scripts/bench_engine.py --batch 1 8 32
+
+On a GPU both sides synchronize once per token (the engine reads its sampled ids, `generate` its stopping
+check), so the per-step clocks read finished work there too. `--json FILE` writes the table's numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
+from lockstep.device import DEVICE_ENV, pick_device
 from lockstep.engine import Engine
 from lockstep.engine_config import EngineConfig
 from lockstep.model.builtin import resolve_model
@@ -111,8 +118,8 @@ class _TokenClock(StoppingCriteria):
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Decode:
     """Greedy tokens per prompt from `generate` (left-padded), and the seconds of each of its decode steps."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     clock = _TokenClock()
     with torch.inference_mode():
         # No EOS: our engine does not stop at it either, and min_new_tokens would mask it out of the argmax.
@@ -133,6 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: what a rank picks, lockstep.device)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batch):
         p.error(f"--batch sizes must be >= 1, got {args.batch}")
@@ -148,12 +158,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.device:
+        os.environ[DEVICE_ENV] = args.device  # the engine takes its device where every rank does
+    device = pick_device()
     model_dir = Path(resolve_model(args.model))
     max_len = args.max_prompt + args.new_tokens
     pages = max(args.batch) * -(-max_len // PAGE_SIZE) + 1
-    engine = Engine.create(EngineConfig(str(model_dir), page_size=PAGE_SIZE, kv_pages=pages))
+    engine = Engine.create(EngineConfig(str(model_dir), page_size=PAGE_SIZE, kv_pages=pages, dtype=args.dtype))
     ours = EngineRunner(engine)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
     pad_id = hf.generation_config.pad_token_id
     if pad_id is None:
         pad_id = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, int) else 0
@@ -169,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         ours_run = ours.generate(prompts, args.new_tokens)
         hf_run = hf_generate(hf, prompts, args.new_tokens, pad_id)
         results.append(Result(b, [len(p) for p in prompts], ours_run, hf_run))
-    print_table(results, args, model_dir.name)
+    print_table(results, args, model_dir.name, device)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "model": model_dir.name, "device": str(device), "dtype": args.dtype, "new_tokens": args.new_tokens,
+            "results": [{"batch": r.batch, "ours_tok_s": r.ours.tok_s(), "hf_tok_s": r.hf.tok_s(),
+                         "ours_mean_tok_s": r.ours.mean_tok_s(), "hf_mean_tok_s": r.hf.mean_tok_s(),
+                         "greedy_same": sum(a == h for a, h in zip(r.ours.tokens, r.hf.tokens, strict=True))}
+                        for r in results]}, indent=1))
     for r in results:
-        if r.batch == 1:
+        if r.batch == 1 and args.dtype == "float32":  # in half precision two correct kernels may round apart
             if r.ours.tokens != r.hf.tokens:
                 print(f"FAIL: batch 1 greedy tokens differ from transformers':\n"
                       f"  ours {r.ours.tokens[0]}\n  hf   {r.hf.tokens[0]}")
@@ -180,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_table(results: list[Result], args: argparse.Namespace, model_name: str) -> None:
-    print(f"model {model_name}, fp32 CPU, {args.threads} threads, TP 1, {args.new_tokens} new tokens "
+def print_table(results: list[Result], args: argparse.Namespace, model_name: str, device: torch.device) -> None:
+    print(f"model {model_name}, {args.dtype} {device}, {args.threads} threads, TP 1, {args.new_tokens} new tokens "
           f"({args.new_tokens - 1} decode steps), prompts uniform {args.min_prompt}..{args.max_prompt} "
           f"(seed {args.seed})")
     print("decode tok/s from the median step; 'mean' columns from the whole decode time")

@@ -92,3 +92,52 @@ def test_serve_refuses_a_bad_rank_kv_pages(capsys):
         serve_args(["--rank-kv-pages", "one=5"], env={})
     assert "--rank-kv-pages takes RANK=PAGES" in capsys.readouterr().err
     assert serve_args(["--rank-kv-pages", "1=32"], env={}).rank_pages == {(0, 1): 32}
+
+
+def test_dtype_reaches_the_rank_from_serve_and_from_its_variable(capsys):
+    """`--dtype` / LOCKSTEP_DTYPE mean the same to `lockstep rank` and `lockstep serve`, which hands it to the
+    ranks it starts; a dtype the engine does not hold is refused by name."""
+    from lockstep.local_ranks import rank_command
+
+    assert rank_args([], env={}, hostname="laptop").engine_config().dtype == "auto"
+    assert rank_args([], env={"LOCKSTEP_DTYPE": "bfloat16"}, hostname="laptop").engine_config().dtype == "bfloat16"
+    assert rank_args(["--dtype", "float16"], env={"LOCKSTEP_DTYPE": "bfloat16"}, hostname="x").dtype == "float16"
+    assert serve_args(["--dtype", "bfloat16"], env={}).dtype == "bfloat16"
+    cmd = rank_command(0, 1, "127.0.0.1:1", 2, "m", 16, 8, 1, True, "bfloat16")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(SystemExit):
+        rank_args(["--dtype", "float64"], env={}, hostname="laptop")
+    assert "--dtype must be one of auto, float32, bfloat16, float16, got 'float64'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requested, device, checkpoint, want", [
+    ("auto", "cpu", "bfloat16", "float32"),  # the CPU keeps float32 whatever the checkpoint says
+    ("auto", "cuda", "bfloat16", "bfloat16"),
+    ("auto", "cuda", "float16", "float16"),
+    ("auto", "cuda", "float32", "bfloat16"),  # float32 checkpoints run in bfloat16 on a GPU (vLLM: float16)
+    ("auto", "cuda", None, "bfloat16"),
+    ("float32", "cuda", "bfloat16", "float32"),  # asked for: taken as it is
+    ("float16", "cpu", None, "float16"),
+])
+def test_auto_dtype_is_float32_on_the_cpu_and_the_checkpoints_half_dtype_on_a_gpu(requested, device, checkpoint,
+                                                                                   want):
+    import torch
+
+    from lockstep.device import pick_dtype
+
+    assert pick_dtype(requested, torch.device(device), checkpoint) == getattr(torch, want)
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"dtype": "bfloat16"}, "bfloat16"),
+    ({"torch_dtype": "float16"}, "float16"),  # transformers 4's name
+    ({"text_config": {"torch_dtype": "torch.bfloat16"}}, "bfloat16"),  # a multimodal checkpoint's text model
+    ({}, None),
+])
+def test_checkpoint_dtype_is_read_from_either_name(tmp_path, config, want):
+    import json
+
+    from lockstep.model.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.checkpoint_dtype(tmp_path) == want

@@ -38,6 +38,18 @@ def pick_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def pick_dtype(requested: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """The dtype the weights and KV pages are held in. `auto`: float32 on the CPU (its matmuls are no faster in
+    half precision there, and it is what the parity tests hold it to); on a GPU the checkpoint's own half
+    dtype, and bfloat16 for a float32 (or unstated) one. vLLM's auto picks float16 there; bfloat16 keeps
+    float32's range, so no activation that fits in the checkpoint overflows."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
 def rank_capacity() -> int:
     """How many local ranks this machine runs without a collective waiting long on a descheduled peer: one per
     GPU; on the CPU two per core when the ranks reduce through shared memory (a sleeping waiter frees its

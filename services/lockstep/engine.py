@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.device import pick_device
+from lockstep.device import pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
@@ -84,8 +84,8 @@ class Engine:
             from lockstep.model.builtin import resolve_model
 
             model_dir = resolve_model(model_dir)
-        dtype = getattr(torch, cfg.dtype)
         device = pick_device(cfg.rank)
+        dtype = pick_dtype(cfg.dtype, device, ModelConfig.checkpoint_dtype(model_dir))
         comm = single_comm() if cfg.world_size == 1 else init_comm(
             cfg.rank, cfg.world_size, cfg.rendezvous, device, collective_timeout_s=cfg.collective_timeout_s)
         model = load_model(model_dir, comm, device, dtype)

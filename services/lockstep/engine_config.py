@@ -9,7 +9,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+from lockstep.settings import Setting
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: `device.pick_dtype` decides
+DTYPE = Setting("dtype", "--dtype", "LOCKSTEP_DTYPE", default="auto",
+                help="weights and KV pages: float32, bfloat16 or float16; auto (the default) is float32 on the CPU "
+                     "and, on a GPU, the checkpoint's half dtype (bfloat16 for a float32 checkpoint)",
+                check=lambda v: "" if v in DTYPES else f"must be one of {', '.join(DTYPES)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class EngineConfig:
     kv_budget_bytes: int = 0
     kv_memory_fraction: float | None = None
     prefix_caching: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     collective_timeout_s: float = 60.0  # a collective whose peer never comes fails after this: the group is broken
 
     def __post_init__(self) -> None:

@@ -18,11 +18,11 @@ from lockstep.local_group import free_port
 
 
 def rank_command(rank: int, world_size: int, rendezvous: str, port: int, model: str | Path, page_size: int,
-                 kv_pages: int, threads: int, prefix_caching: bool = True) -> list[str]:
+                 kv_pages: int, threads: int, prefix_caching: bool = True, dtype: str = "auto") -> list[str]:
     """`lockstep rank` for rank `rank` of a local group whose rank 0 keeps the store at `rendezvous`."""
     cmd = [sys.executable, "-m", "lockstep.cli", "rank", "--rank", str(rank), "--world-size", str(world_size),
            "--rendezvous", rendezvous, "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
-           "--page-size", str(page_size), "--kv-pages", str(kv_pages), "--threads", str(threads)]
+           "--page-size", str(page_size), "--kv-pages", str(kv_pages), "--threads", str(threads), "--dtype", dtype]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
     return cmd

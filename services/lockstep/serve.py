@@ -18,6 +18,7 @@ from typing import Any
 
 from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.config import API_KEY_HELP, REBALANCE, SCHEDULING, CoordinatorConfig
+from lockstep.engine_config import DTYPE
 from lockstep.local_group import free_port
 from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
 from lockstep.model.config import ModelConfig
@@ -49,9 +50,10 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
                    help="testing knob: give one rank a different KV pool size (GROUP: 0..dp-1, default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / (TP x DP))")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, (DP, *SCHEDULING, *REBALANCE))
+    add_settings(p, (DP, DTYPE, *SCHEDULING, *REBALANCE))
     args = p.parse_args(argv)
-    for name, value in resolve(p, args, (DP, *SCHEDULING, *REBALANCE), os.environ if env is None else env).items():
+    for name, value in resolve(p, args, (DP, DTYPE, *SCHEDULING, *REBALANCE),
+                               os.environ if env is None else env).items():
         setattr(args, name, value)
     try:
         args.rank_pages = _rank_pages(args.rank_kv_pages, args.dp)
@@ -107,7 +109,7 @@ def _groups(args: argparse.Namespace, model_dir: Path, tp: int, threads: int,
 
         def commands(rendezvous: str, g: int = g, ports: list[int] = ports) -> list[list[str]]:
             return [rank_command(r, tp, rendezvous, ports[r], model_dir, args.page_size,
-                                 args.rank_pages.get((g, r), args.kv_pages), threads, args.prefix_caching)
+                                 args.rank_pages.get((g, r), args.kv_pages), threads, args.prefix_caching, args.dtype)
                     for r in range(tp)]
 
         groups[f"g{g}"] = (LocalRanks(commands, env, name=f"g{g}"), ports)

@@ -202,6 +202,17 @@ class ModelConfig:
             **_ids(d),
         )
 
+    @staticmethod
+    def checkpoint_dtype(path: str | Path) -> str | None:
+        """The dtype the checkpoint says its weights are in (`dtype`, or the older `torch_dtype`; a
+        multimodal one's text model's), None when it says none."""
+        d = json.loads((Path(path) / "config.json").read_text())
+        for where in (d, d.get("text_config") or {}):
+            found = where.get("dtype") or where.get("torch_dtype")
+            if isinstance(found, str):
+                return found.removeprefix("torch.")
+        return None
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """Read `config.json`, adding eos ids from `generation_config.json` (chat models put them there)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from lockstep.engine_config import EngineConfig
+from lockstep.engine_config import DTYPE, EngineConfig
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
 from lockstep.rank_auth import RANK_SETTINGS, RankServerAuth, server_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
@@ -49,13 +49,14 @@ class RankConfig:
     threads: int
     auth: RankServerAuth = field(default_factory=RankServerAuth)  # the group token and TLS of the gRPC port
     collective_timeout: float = 60.0
+    dtype: str = "auto"
     health_port: int | None = None  # a plaintext port with grpc.health.v1 alone, for probes that cannot do TLS
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, rank=self.rank, world_size=self.world_size, rendezvous=self.rendezvous,
                             page_size=self.page_size, kv_pages=self.kv_pages,
                             kv_memory_fraction=self.kv_memory_fraction, prefix_caching=self.prefix_caching,
-                            collective_timeout_s=self.collective_timeout)
+                            collective_timeout_s=self.collective_timeout, dtype=self.dtype)
 
 
 class _Terminated(Exception):
@@ -89,6 +90,7 @@ SETTINGS = (
             help="turn prefix caching off", switch=True, flag_value=False),
     Setting("threads", "--threads", "LOCKSTEP_THREADS", integer, None,
             "torch intra-op threads (default: cores / world size)", at_least(1)),
+    DTYPE,
     Setting("collective_timeout", "--collective-timeout", "LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS", number, 60.0,
             "seconds after which a collective whose peer never comes fails, and the rank exits to have its "
             "group recreated", within(0, 86400, low_open=True)),
