@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +90,20 @@ def test_control_plane_mode_is_reached_through_lockstep_bench(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--control-plane" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_prepared_gpu_check_runs_through_on_the_cpu(tiny_llama, tmp_path):
+    """scripts/gpu_check.sh is what a session lent a GPU runs, in one call, with no network: it must not
+    have rotted by then. Here every step of its quick mode runs on the CPU and writes its results."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "run", "--quick"], cwd=root,
+                          env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_LIKE": str(tiny_llama)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    engine = json.loads((tmp_path / "engine_float32.json").read_text())
+    assert engine["results"][0]["batch"] == 1 and engine["results"][0]["greedy_same"] == 1
+    assert json.loads((tmp_path / "bench.json").read_text())
+    assert '"completion_tokens": 16' in (tmp_path / "serve.log").read_text()

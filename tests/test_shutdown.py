@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from lockstep.coordinator.main import bounded, run_to_end
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, run_app
+from lockstep.coordinator.stopping import bounded, run_to_end
 from lockstep.local_group import free_port
 from test_serve import _serving, _wait_healthy
 
@@ -106,7 +106,7 @@ def test_sigterm_ends_lockstep_serve_and_its_open_stream_within_the_grace(tiny_l
         try:
             proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGUSR1)  # the coordinator logs where each of its tasks waits
+            proc.send_signal(signal.SIGUSR1)  # lockstep serve logs its main thread's stack and every task's
             time.sleep(1.0)
         finally:
             exited = time.monotonic() - t0
@@ -186,3 +186,41 @@ def test_run_to_end_returns_what_main_returned_though_a_task_it_left_ignores_its
         assert run_to_end(main(), timeout=0.3) == 7
     assert time.monotonic() - t0 < 2.0
     assert "task(s) left at the end to finish" in caplog.text and "stubborn (test_shutdown.py:" in caplog.text
+
+
+SIGUSR1_CHILD = """
+import asyncio, logging, sys, time
+from lockstep.coordinator.stopping import dump_on_sigusr1, run_to_end
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+dump_on_sigusr1()
+print("ready", flush=True)
+time.sleep(1.0)  # no event loop yet: the main thread's stack only
+
+async def waits_here():
+    await asyncio.sleep(1.5)
+
+async def main():
+    asyncio.ensure_future(waits_here())
+    await asyncio.sleep(2.0)
+    return 3
+
+sys.exit(run_to_end(main()))
+"""
+
+
+def test_sigusr1_logs_where_the_process_waits_and_never_stops_it():
+    """Before its event loop runs the main thread's stack; while it runs every task's await chain too. The
+    signal's default action would end the process: a user asking where it hangs must not kill it."""
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SIGUSR1_CHILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGUSR1)  # in time.sleep, before the loop
+    time.sleep(1.6)
+    proc.send_signal(signal.SIGUSR1)  # in the loop, while waits_here sleeps
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3, out
+    before, _, during = out.partition("SIGUSR1: no event loop runs now")
+    assert "SIGUSR1: the main thread is at" in before and "line 7, in <module>" in before, out  # time.sleep
+    assert "task " in during and "waits_here (<string>:" in during, out

@@ -130,6 +130,9 @@ def _default_tp(model_dir: Path, dp: int, say: Callable[[str], None]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lockstep.coordinator.stopping import dump_on_sigusr1
+
+    dump_on_sigusr1()  # from the first moment: the model's import and the ranks' start may be where it waits
     args = parse_args(argv)
     say = lambda msg: print(f"lockstep: {msg}", file=sys.stderr, flush=True)
     model_dir = _model_dir(args.model, say)
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         model=str(model_dir), host=args.host, http_port=args.port, grpc_port=args.port + 1,
         api_keys=args.api_keys, **coordinator_settings(args),
     )
-    from lockstep.coordinator.main import run, run_to_end
+    from lockstep.coordinator.main import run
+    from lockstep.coordinator.stopping import run_to_end
 
     started = time.monotonic()
 

@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ class NoopForwardEngine(Engine):
         """A token only (request, index) decides: a greedy row's from its index alone (the real sampler derives no
         seed for it), a drawn row's from its per-draw seed, as the real sampler's."""
         if is_greedy(chunk.sampling):
-            mixed = (index * 0x9E3779B1 + len(chunk.request_id)) & 0xFFFFFFFF
+            mixed = zlib.crc32(f"{chunk.request_id}/{index}".encode())
         else:
             mixed = sample_seed(chunk.request_id, chunk.sampling.seed, index)
         return FIRST_TOKEN + mixed % (self.config.vocab_size - FIRST_TOKEN)

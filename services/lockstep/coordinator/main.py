@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,11 @@ from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
+from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, run_to_end
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
 GROUPS_POLL_S = 2.0
-STOP_SLACK_S = 5.0  # how long shutting down may take past the grace before what hangs is logged and left
 log = logging.getLogger("lockstep.coordinator")
 
 
@@ -74,22 +74,6 @@ async def watch_groups_file(coord: Coordinator, path: Path, interval: float = GR
             log.exception("applying the groups file %s failed; serving groups %s", path, sorted(coord.groups))
 
 
-def _first(obj: object, *names: str) -> Any:
-    return next((getattr(obj, n) for n in names if getattr(obj, n, None) is not None), None)
-
-
-def log_tasks() -> None:
-    """`kill -USR1 <pid>`: log where every asyncio task waits (each coroutine down its await chain), to see
-    what a coordinator that hangs waits on."""
-    for task in asyncio.all_tasks():
-        where, coro = [], task.get_coro()
-        while coro is not None and len(where) < 30:
-            if (frame := _first(coro, "cr_frame", "ag_frame", "gi_frame")) is not None:
-                where.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
-            coro = _first(coro, "cr_await", "ag_await", "gi_yieldfrom")
-        log.warning("task %s: %s", task.get_name(), " > ".join(where) or "not started")
-
-
 def build(config: CoordinatorConfig, progress: Callable[[str], None]) -> Coordinator:
     model_dir = resolve_model(config.model, progress)
     model = ModelConfig.from_dir(model_dir)
@@ -121,7 +105,6 @@ async def run(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    loop.add_signal_handler(signal.SIGUSR1, log_tasks)
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
@@ -159,41 +142,6 @@ async def run(
     await bounded(stopping, max(grace, STOP_SLACK_S), "the HTTP and gRPC servers to stop")
     await bounded(coord.close(), STOP_SLACK_S, "the groups to close")
     return code
-
-
-async def bounded(work: Awaitable[Any], timeout: float, what: str) -> None:
-    """Wait for `work` at most `timeout` s; past it, log where every task waits and cancel it without waiting
-    (a task that ignores its cancellation must not hold the stop up)."""
-    task = asyncio.ensure_future(work)
-    if (await asyncio.wait({task}, timeout=timeout))[0]:
-        task.result()  # its error, if it failed
-    else:
-        log.error("waited %g s for %s; going on without them. Where every task waits:", timeout, what)
-        log_tasks()
-        task.cancel()
-
-
-def run_to_end(main: Coroutine[Any, Any, int], timeout: float = STOP_SLACK_S) -> int:
-    """`asyncio.run`, except that the tasks left when `main` returns get `timeout` s to end once cancelled:
-    asyncio.run waits for them without limit, so one that ignores its cancellation would keep the process up
-    after it was told to stop (those are logged, with where they wait)."""
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(main)
-    finally:
-        try:
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            if left:
-                loop.run_until_complete(bounded(asyncio.gather(*left, return_exceptions=True), timeout,
-                                                f"{len(left)} task(s) left at the end to finish"))
-            loop.run_until_complete(bounded(loop.shutdown_asyncgens(), timeout, "async generators to close"))
-            loop.run_until_complete(bounded(loop.shutdown_default_executor(), timeout, "executor threads to end"))
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:
