@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lockstep.model import device_sampling
 from lockstep.model.device_sampling import race_draw, uniforms
 from lockstep.model.sampling import _draw_on_device, _Row, allowed_mask
 from lockstep.steps import SamplingParams
@@ -79,7 +80,7 @@ def test_the_race_draws_only_inside_the_cpu_paths_allowed_set(seed, top_k, top_p
     assert all(allowed[t] for t in race(row, p, range(seed, seed + 40)))
 
 
-def test_a_rows_token_does_not_depend_on_its_neighbours_and_a_seed_draws_it_again():
+def test_a_rows_token_does_not_depend_on_its_neighbours_and_a_seed_draws_it_again(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     x = 2 * torch.randn(16, 4096, generator=gen)
     params = [_Row.of(SamplingParams(temperature=0.5 + i / 8, top_k=(i % 3) * 40, top_p=1 - (i % 4) / 5), 4096)
@@ -90,6 +91,9 @@ def test_a_rows_token_does_not_depend_on_its_neighbours_and_a_seed_draws_it_agai
     alone = [race_draw(x[i:i + 1], [r.temperature], [r.top_k], [r.top_p], [seeds[i]])[0]
              for i, r in enumerate(params)]
     assert together == alone
+    monkeypatch.setattr(device_sampling, "BLOCK_ELEMENTS", 3 * 4096)  # blocks of 3 rows: the same tokens
+    assert race_draw(x, [r.temperature for r in params], [r.top_k for r in params], [r.top_p for r in params],
+                     seeds) == together
     assert together == race_draw(x, [r.temperature for r in params], [r.top_k for r in params],
                                  [r.top_p for r in params], seeds)
     other = race_draw(x, [r.temperature for r in params], [r.top_k for r in params], [r.top_p for r in params],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+BLOCK_ELEMENTS = 1 << 23  # 64 MB per float64 temporary: 64 rows of a 128k vocabulary at a time
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's increment and multipliers, as signed 64-bit integers
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -70,7 +71,18 @@ def race_draw(x: torch.Tensor, temperatures: list[float], top_ks: list[int], top
               seeds: list[int]) -> list[int]:
     """One token per row of `x` ([rows, vocab], finite maximum in every row, on any device), for normalized
     parameters (temperature > 0; top_k 0 or in (1, vocab); top_p in (0, 1], 1 off): the argmax of the
-    scaled row, masked by top-k / top-p, plus the row's Gumbel noise."""
+    scaled row, masked by top-k / top-p, plus the row's Gumbel noise. Rows go in blocks of at most
+    BLOCK_ELEMENTS values, so the float64 temporaries stay small next to the KV pool's share of the device."""
+    step = max(1, BLOCK_ELEMENTS // max(1, x.shape[1]))
+    out: list[int] = []
+    for a in range(0, x.shape[0], step):
+        b = a + step
+        out += _race_block(x[a:b], temperatures[a:b], top_ks[a:b], top_ps[a:b], seeds[a:b])
+    return out
+
+
+def _race_block(x: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+                seeds: list[int]) -> list[int]:
     device = x.device
     x = x.to(torch.float32)
     t = torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
