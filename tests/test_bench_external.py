@@ -86,3 +86,41 @@ def test_the_command_and_its_errors(tiny_llama, tmp_path, capsys):
 
     (summary,) = json.loads((tmp_path / "o.json").read_text())["runs"]
     assert summary["requests"] == 4 and summary["errors"] == 0
+
+
+def test_each_request_carries_the_workloads_temperature_and_its_own_seed():
+    """`--temperature` reaches the measured server: request i with the workload's temperature and seed i (it
+    used to send temperature 0 whatever was asked)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lockstep.bench.workload import Workload, sampling_of
+
+    bodies: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            chunk = json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+            payload = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        workload = Workload(((3,),) * len(PROMPTS), MAX_TOKENS, 2, temperature=0.7)
+        run = run_external(Target(f"http://127.0.0.1:{server.server_port}/v1"), PROMPTS, MAX_TOKENS, 2, warmup=0,
+                           sampling=lambda i: sampling_of(workload, i))
+    finally:
+        server.shutdown()
+    assert not run.errors and len(bodies) == len(PROMPTS)
+    for body in bodies:
+        assert body["temperature"] == 0.7 and body["seed"] == PROMPTS.index(body["prompt"]), body

@@ -176,6 +176,7 @@ def _bench(argv: list[str]) -> int:
 def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
     """Every --url in turn, loaded by the same client with the same text prompts; one table, one column each."""
     from lockstep.bench.external import Target, format_runs, run_external
+    from lockstep.bench.workload import sampling_of
     from lockstep.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -187,7 +188,8 @@ def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
     except ValueError as exc:
         print(f"lockstep bench: {exc}", file=sys.stderr)
         return 2
-    runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup) for t in targets]
+    runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup,
+                         sampling=lambda i: sampling_of(workload, i)) for t in targets]
     print(format_runs(runs))
     for run in runs:
         for error in run.errors[:3]:

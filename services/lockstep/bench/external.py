@@ -14,6 +14,7 @@ import json
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lockstep.bench.report import percentile
@@ -67,17 +68,18 @@ class Target:
         return {"Content-Type": "application/json", "Accept": "text/event-stream", **auth}
 
 
-def _body(target: Target, prompt: str, max_tokens: int) -> dict:
+def _body(target: Target, prompt: str, max_tokens: int, sampling: dict | None = None) -> dict:
+    """A streamed completion's body; `sampling` (the workload's `sampling_of`) replaces greedy's temperature 0."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}} | (sampling or {})
     return {"model": target.model, **body} if target.model else body
 
 
-def stream_one(target: Target, conn: http.client.HTTPConnection, prompt: str, max_tokens: int
-               ) -> tuple[float, list[float], int, str]:
+def stream_one(target: Target, conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
+               sampling: dict | None = None) -> tuple[float, list[float], int, str]:
     """(time to first token, gaps between later chunks, output tokens, text) of one streamed completion."""
     t0 = time.perf_counter()
-    conn.request("POST", target.path, body=json.dumps(_body(target, prompt, max_tokens)).encode(),
+    conn.request("POST", target.path, body=json.dumps(_body(target, prompt, max_tokens, sampling)).encode(),
                  headers=target.headers())
     resp = conn.getresponse()
     if resp.status != 200:
@@ -106,8 +108,9 @@ def stream_one(target: Target, conn: http.client.HTTPConnection, prompt: str, ma
 
 
 def run_external(target: Target, prompts: list[str], max_tokens: int, concurrency: int, warmup: int = 2,
-                 timeout_s: float = 600.0) -> ExternalRun:
-    """`concurrency` client threads, each with its own keep-alive connection, stream the prompts in order."""
+                 timeout_s: float = 600.0, sampling: Callable[[int], dict] | None = None) -> ExternalRun:
+    """`concurrency` client threads, each with its own keep-alive connection, stream the prompts in order;
+    request i with `sampling(i)`'s fields (greedy when None)."""
     run = ExternalRun(target.url)
     for prompt in prompts[:warmup]:
         conn = target.connection(timeout_s)
@@ -128,7 +131,8 @@ def run_external(target: Target, prompts: list[str], max_tokens: int, concurrenc
                     return
                 t0 = time.perf_counter()
                 try:
-                    ttft, gaps, tokens, text = stream_one(target, conn, prompts[i], max_tokens)
+                    ttft, gaps, tokens, text = stream_one(target, conn, prompts[i], max_tokens,
+                                                          sampling(i) if sampling else None)
                 except (OSError, RuntimeError, ValueError) as exc:
                     with lock:
                         run.errors.append(f"request {i}: {type(exc).__name__}: {exc}")
