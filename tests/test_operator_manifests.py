@@ -329,3 +329,18 @@ def test_without_tls_nothing_changes_and_turning_it_on_rolls_the_groups() -> Non
     tls = m.rank_pod_template("demo", "ml", normalize({"tensorParallelSize": 3, "tls": {"secretName": "x"}}), 0)
     h = lambda t: t["metadata"]["annotations"][m.ANNOTATION_HASH]
     assert h(plain) != h(tls)
+
+
+@pytest.mark.parametrize("env, seconds", [
+    ([], 30),  # the default grace of 5 s: 5 + 5 + 20 fits Kubernetes' own 30
+    ([{"name": "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", "value": "60"}], 140),  # 60 + 60 + 20
+    ([{"name": "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", "value": "12.5"}], 45),
+    ([{"name": "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", "value": "soon"}], 30),  # refused at start, not here
+    ([{"name": "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}], 30),
+])
+def test_the_coordinator_pod_gets_time_for_its_whole_bounded_stop(env, seconds) -> None:
+    """Kubernetes kills a pod terminationGracePeriodSeconds after SIGTERM: shorter than the coordinator's own
+    bounded stop (grace, then its servers, groups and leftovers), streams would be cut with no error event."""
+    spec = normalize({"env": env})
+    pod = m.coordinator_deployment("demo", "ml", spec)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == seconds

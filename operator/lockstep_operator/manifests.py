@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from typing import Any
 
 from lockstep_operator.crd import GROUP
@@ -386,10 +387,28 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
             "template": {
                 "metadata": {"labels": _labels(name, "coordinator")},
                 "spec": {"containers": [container], "enableServiceLinks": False,
+                         "terminationGracePeriodSeconds": coordinator_stop_seconds(spec),
                          "volumes": volumes + [_token_volume(name), _groups_volume(name)] + tls_volumes} | pod_extras,
             },
         },
     }
+
+
+def coordinator_stop_seconds(spec: dict[str, Any]) -> int:
+    """How long Kubernetes waits for the coordinator to stop before it kills it: its shutdown grace (5 s, or
+    LOCKSTEP_SHUTDOWN_GRACE_SECONDS in `spec.env`), then up to max(grace, 5) s for its servers and 15 s for the
+    rest of its bounded stop (docs/runbook.md), and 5 s to spare; never under Kubernetes' own 30. A value the
+    coordinator would refuse counts as the default: the pod then fails at its start, not at its stop."""
+    grace = 5.0
+    for var in spec.get("env", []):
+        if var.get("name") == "LOCKSTEP_SHUTDOWN_GRACE_SECONDS" and "value" in var:
+            try:
+                value = float(var["value"])
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value) and 0 <= value <= 3600:
+                grace = value
+    return max(30, math.ceil(grace + max(grace, 5.0) + 20))
 
 
 def _groups_volume(name: str) -> Manifest:
