@@ -395,10 +395,9 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
 
 
 def coordinator_stop_seconds(spec: dict[str, Any]) -> int:
-    """How long Kubernetes waits for the coordinator to stop before it kills it: its shutdown grace (5 s, or
-    LOCKSTEP_SHUTDOWN_GRACE_SECONDS in `spec.env`), then up to max(grace, 5) s for its servers and 15 s for the
-    rest of its bounded stop (docs/runbook.md), and 5 s to spare; never under Kubernetes' own 30. A value the
-    coordinator would refuse counts as the default: the pod then fails at its start, not at its stop."""
+    """Kubernetes' wait before it kills the coordinator: its grace (5 s, or LOCKSTEP_SHUTDOWN_GRACE_SECONDS in
+    `spec.env`; a bad value fails the pod's start instead), max(grace, 5) s for its servers, 15 s for the rest
+    of its bounded stop (docs/runbook.md) and 5 to spare; never under Kubernetes' own 30."""
     grace = 5.0
     for var in spec.get("env", []):
         if var.get("name") == "LOCKSTEP_SHUTDOWN_GRACE_SECONDS" and "value" in var:
