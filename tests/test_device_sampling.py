@@ -109,6 +109,7 @@ def test_a_rows_token_does_not_depend_on_its_neighbours_and_a_seed_draws_it_agai
 def test_rows_without_a_finite_maximum_get_the_cpu_paths_answer(row, allowed):
     x = torch.tensor([row, [0.0, 5.0, 0.0, 0.0]])
     r = _Row.of(SamplingParams(temperature=1.0), 4)
+    assert race_draw(x, [1.0, 1.0], [0, 0], [1.0, 1.0], [0, 0])[0] == -1  # left to the CPU path, in one copy
     for seed in range(20):
         got = _draw_on_device(x, [r, r], [seed, seed])
         assert got[0] in allowed and got[1] in range(4)

@@ -69,24 +69,24 @@ def _masked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def race_draw(x: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
               seeds: list[int]) -> list[int]:
-    """One token per row of `x` ([rows, vocab], finite maximum in every row, on any device), for normalized
-    parameters (temperature > 0; top_k 0 or in (1, vocab); top_p in (0, 1], 1 off): the argmax of the
-    scaled row, masked by top-k / top-p, plus the row's Gumbel noise. Rows go in blocks of at most
+    """One token per row of `x` ([rows, vocab], on any device), for normalized parameters (temperature > 0;
+    top_k 0 or in (1, vocab); top_p in (0, 1], 1 off): the argmax of the scaled row, masked by top-k / top-p,
+    plus the row's Gumbel noise; -1 for a row with no finite maximum (NaN, +inf, nothing finite), which the
+    caller answers otherwise. One copy to the host for the whole batch. Rows go in blocks of at most
     BLOCK_ELEMENTS values, so the float64 temporaries stay small next to the KV pool's share of the device."""
     step = max(1, BLOCK_ELEMENTS // max(1, x.shape[1]))
-    out: list[int] = []
-    for a in range(0, x.shape[0], step):
-        b = a + step
-        out += _race_block(x[a:b], temperatures[a:b], top_ks[a:b], top_ps[a:b], seeds[a:b])
-    return out
+    blocks = [_race_block(x[a:a + step], temperatures[a:a + step], top_ks[a:a + step], top_ps[a:a + step],
+                          seeds[a:a + step]) for a in range(0, x.shape[0], step)]
+    return torch.cat(blocks).tolist()
 
 
 def _race_block(x: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
-                seeds: list[int]) -> list[int]:
+                seeds: list[int]) -> torch.Tensor:
     device = x.device
     x = x.to(torch.float32)
     t = torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1)
-    scaled = (x - torch.amax(x, dim=1, keepdim=True)) / t
+    top = torch.amax(x, dim=1, keepdim=True)  # NaN or infinite in the rows the caller answers otherwise
+    scaled = (x - top) / t
     filtered = [j for j, (k, p) in enumerate(zip(top_ks, top_ps, strict=True)) if k > 0 or p < 1]
     if filtered:
         rows = torch.tensor(filtered, device=device)
@@ -94,4 +94,5 @@ def _race_block(x: torch.Tensor, temperatures: list[float], top_ks: list[int], t
                                torch.tensor([top_ps[j] for j in filtered], device=device))
     seed = torch.tensor([_signed64(s) for s in seeds], dtype=torch.int64, device=device)
     gumbel = -torch.log(-torch.log(uniforms(seed, x.shape[1])))
-    return torch.argmax(scaled.to(torch.float64) + gumbel, dim=1).tolist()
+    tokens = torch.argmax(scaled.to(torch.float64) + gumbel, dim=1)
+    return torch.where(torch.isfinite(top.squeeze(1)), tokens, -1)

@@ -164,15 +164,8 @@ def _seed_function(seeds: Sequence[int] | Callable[[int], int], n: int, n_params
 def _draw_on_device(x: torch.Tensor, rows: list[_Row], seeds: list[int]) -> list[int]:
     """Seeded draws for rows on an accelerator, where they are (device_sampling.py); a row with no finite
     maximum (NaN, +inf, no finite logit) goes to the CPU path, which has an answer for each of those."""
-    finite = torch.isfinite(torch.amax(x, dim=1)).tolist()
-    out = [0] * len(rows)
-    ok = [j for j, f in enumerate(finite) if f]
-    if ok:
-        picked = race_draw(x[ok], [rows[j].temperature for j in ok], [rows[j].top_k for j in ok],
-                           [rows[j].top_p for j in ok], [seeds[j] for j in ok])
-        for j, token in zip(ok, picked, strict=True):
-            out[j] = token
-    odd = [j for j, f in enumerate(finite) if not f]
+    out = race_draw(x, [r.temperature for r in rows], [r.top_k for r in rows], [r.top_p for r in rows], seeds)
+    odd = [j for j, token in enumerate(out) if token < 0]
     if odd:
         for j, token in zip(odd, _draw(x[odd], [rows[j] for j in odd], [seeds[j] for j in odd]), strict=True):
             out[j] = token
