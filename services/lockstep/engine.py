@@ -269,8 +269,7 @@ class Engine:
 def _resolved(plan: Plan, drawn: list[int]) -> Plan:
     """The plan with its pending chunks' tokens filled in, in batch order."""
     tokens = iter(drawn)
-    batch = tuple(Chunk(c.request_id, (next(tokens),), c.start, c.sample, c.sampling, c.sample_index,
-                        c.prompt_logprobs, c.next_token_id, c.history) if c.pending else c for c in plan.batch)
+    batch = tuple(c.resolved(next(tokens)) if c.pending else c for c in plan.batch)
     return dataclasses.replace(plan, batch=batch)
 
 

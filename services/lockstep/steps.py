@@ -105,6 +105,11 @@ class Chunk:
         """Whether the token is the one the previous step sampled, not known when the plan was built."""
         return self.token_ids == (PENDING_TOKEN,)
 
+    def resolved(self, token: int) -> Chunk:
+        """This pending chunk with its token known (`dataclasses.replace`, spelled out: it runs per chunk)."""
+        return Chunk(self.request_id, (token,), self.start, self.sample, self.sampling, self.sample_index,
+                     self.prompt_logprobs, self.next_token_id, self.history)
+
 
 @dataclass(frozen=True)
 class Probe:

@@ -15,7 +15,7 @@ from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
-from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, run_to_end
+from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, run_to_end
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
@@ -145,4 +145,5 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    dump_on_sigusr1()  # from the first moment: loading the tokenizer may be where it waits
     return run_to_end(run(parse_config(argv)))

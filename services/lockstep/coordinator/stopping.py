@@ -80,7 +80,6 @@ def run_to_end(main: Coroutine[Any, Any, int], timeout: float = STOP_SLACK_S) ->
     cancellation would keep the process up after it was told to stop (logged, with where they wait). What
     asyncio.run reports of them, an error a left task ended with, is logged too. Executor threads are joined
     as asyncio.run joins them (a thread cannot be stopped; ours, a group's rank stop, ends by itself)."""
-    dump_on_sigusr1()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
