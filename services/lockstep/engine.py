@@ -208,14 +208,21 @@ class Engine:
             log.exception("rank 0: the forward of step %d failed", plan.step)
             return ((), ()), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
-    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+    def _inputs(self, batch: tuple[Chunk, ...]) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
+        """The forward's token ids and each KV pool's attention batch: the host's share of a step."""
         ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long, device=self.device)
-        attn = {
+        return ids, {
             name: AttentionBatch.build(
                 [(c.start, len(c.token_ids), self.cache.table(c.request_id, name)) for c in batch],
-                self.cache.page_size, self.device, self.cache.window if name == POOL_SLIDING else None)
+                self.cache.page_size, self.device, self.window_of(name))
             for name in self.cache.pools
         }
+
+    def window_of(self, pool: str) -> int | None:
+        return self.cache.window if pool == POOL_SLIDING else None
+
+    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+        ids, attn = self._inputs(batch)
         logits, scored = self._forward_and_score(batch, ids, attn)
         rows = [i for i, c in enumerate(batch) if c.sample]
         sampled: tuple[Sampled, ...] = ()

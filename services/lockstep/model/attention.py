@@ -7,8 +7,11 @@ each sequence's keys in the page pool; `paged_attention` is the one seam a GPU k
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +23,12 @@ from lockstep.kv.paging import first_page, pages_for
 class AttentionBatch:
     positions: torch.Tensor  # [T] position of every new token
     slot_mapping: torch.Tensor  # [T] page * page_size + offset where its k/v is written
-    query_offsets: torch.Tensor  # [S + 1] where each sequence's tokens start in the flat batch
-    kv_lens: torch.Tensor  # [S] tokens each sequence attends over after this step (start + n)
     last_token_indices: torch.Tensor  # [S] flat index of each sequence's last new token
-    block_tables: torch.Tensor  # [S, max pages] page tables, padded with -1 (for kernels)
     page_size: int
     starts: tuple[int, ...]
     query_lens: tuple[int, ...]
     page_tables: tuple[tuple[int, ...], ...]
-    page_tensors: tuple[torch.Tensor, ...]  # each sequence's page table on the device, made once per step
+    page_tensors: Mapping[int, torch.Tensor]  # the page tables of multi-token sequences, on the device
     max_page: int
     single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
     _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
@@ -42,6 +42,26 @@ class AttentionBatch:
     def num_seqs(self) -> int:
         return len(self.starts)
 
+    @cached_property
+    def token_rows(self) -> tuple[int, ...]:
+        """Where each sequence's tokens start in the flat batch, on the host."""
+        return tuple(accumulate(self.query_lens[:-1], initial=0))
+
+    @cached_property
+    def query_offsets(self) -> torch.Tensor:
+        """[S + 1] where each sequence's tokens start in the flat batch (for kernels; the CPU path needs none)."""
+        return _on(self.positions, [*self.token_rows, self.num_tokens])
+
+    @cached_property
+    def kv_lens(self) -> torch.Tensor:
+        """[S] tokens each sequence attends over after this step (start + n)."""
+        return _on(self.positions, [s + n for s, n in zip(self.starts, self.query_lens, strict=True)])
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """[S, max pages] page tables padded with -1, for kernels: made on first use, not every step."""
+        return _on(self.positions, _padded(self.page_tables, -1)).view(self.num_seqs, -1)
+
     @classmethod
     def build(
         cls,
@@ -53,6 +73,8 @@ class AttentionBatch:
         """spans: (start, n, page table covering positions [0, start + n)) per sequence, in batch order.
 
         With a `window` (a sliding pool's batch), pages before the first one the window reads may be -1.
+        This runs every step for every sequence, so a decode span costs a few list operations and the batch
+        goes to the device in one copy (a tensor per sequence cost more than the forward at batch 256).
         """
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -60,8 +82,8 @@ class AttentionBatch:
             raise ValueError("an attention batch needs at least one sequence")
         positions: list[int] = []
         slots: list[int] = []
-        offsets = [0]
-        starts, lens, tables, singles = [], [], [], []
+        lasts: list[int] = []
+        starts, lens, tables, singles, multis = [], [], [], [], []
         for i, (start, n, table) in enumerate(spans):
             table = _span_table(i, start, n, table, page_size, first_page(start, window, page_size))
             if n == 1:
@@ -69,31 +91,29 @@ class AttentionBatch:
                 positions.append(start)
                 slots.append(table[start // page_size] * page_size + start % page_size)
             else:
+                multis.append(i)
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // page_size] * page_size + p % page_size
                              for p in range(start, start + n))
-            offsets.append(offsets[-1] + n)
+            lasts.append(len(positions) - 1)
             starts.append(start)
             lens.append(n)
             tables.append(table)
-        width = max(len(t) for t in tables)
-        padded = [list(t) + [-1] * (width - len(t)) for t in tables]
-
-        def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
+        t = len(positions)
+        flat = _on(device, positions + slots + lasts + [p for i in multis for p in tables[i]])
+        at, page_tensors = 2 * t + len(lasts), {}
+        for i in multis:
+            page_tensors[i] = flat[at:at + len(tables[i])]
+            at += len(tables[i])
         return cls(
-            positions=as_tensor(positions),
-            slot_mapping=as_tensor(slots),
-            query_offsets=as_tensor(offsets),
-            kv_lens=as_tensor([s + n for s, n in zip(starts, lens, strict=True)]),
-            last_token_indices=as_tensor([o - 1 for o in offsets[1:]]),
-            block_tables=as_tensor(padded),
+            positions=flat[:t],
+            slot_mapping=flat[t:2 * t],
+            last_token_indices=flat[2 * t:2 * t + len(lasts)],
             page_size=page_size,
             starts=tuple(starts),
             query_lens=tuple(lens),
             page_tables=tuple(tables),
-            page_tensors=tuple(as_tensor(list(t)) for t in tables),
+            page_tensors=page_tensors,
             max_page=max(max(t) for t in tables),
             single_seqs=tuple(singles),
         )
@@ -111,7 +131,7 @@ class AttentionBatch:
             lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
             pages = {i: pages_for(self.starts[i] + 1, ps) - lo[i] // ps for i in self.single_seqs}
             members = _length_groups(pages, max(1, GROUP_CALL_TOKENS // ps))
-            groups = tuple(_SingleGather.build(self, sorted(m), window) for m in members)
+            groups = _SingleGather.build_all(self, [sorted(m) for m in members], window)
             self._gathers[window] = groups
         return groups
 
@@ -148,14 +168,32 @@ def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int
     if start < 0 or n < 1:
         raise ValueError(f"sequence {i}: start must be >= 0 and n >= 1, got start={start} n={n}")
     needed = pages_for(start + n, page_size)
-    table = tuple(int(p) for p in table)
     if len(table) < needed:
         raise ValueError(
             f"sequence {i}: page table has {len(table)} pages but positions [0, {start + n}) "
             f"need {needed} of {page_size} tokens")
-    if any(p < 0 for p in table[first:needed]):
-        raise ValueError(f"sequence {i}: negative page id in its page table {table[first:needed]}")
-    return table[:needed]
+    table = tuple(table[:needed])
+    if first < needed and min(table[first:]) < 0:
+        raise ValueError(f"sequence {i}: negative page id in its page table {table[first:]}")
+    return table
+
+
+def _on(where: torch.device | str | torch.Tensor, values: list[int]) -> torch.Tensor:
+    """A long tensor of `values` on a device (or on a tensor's), in one host-to-device copy. Through an
+    array: torch.tensor of a list of ints costs 3x more, and a step's page tables hold tens of thousands."""
+    device = torch.device(where.device if isinstance(where, torch.Tensor) else where)
+    host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+    return host if device.type == "cpu" else host.to(device)
+
+
+def _padded(tables: Sequence[Sequence[int]], fill: int) -> list[int]:
+    """The tables, each padded with `fill` to the longest, as one flat row-major list."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [fill] * (width - len(t))
+    return flat
 
 
 @dataclass(frozen=True)
@@ -192,35 +230,54 @@ class _SingleGather:
         return bias
 
     @classmethod
-    def build(cls, batch: AttentionBatch, seqs: list[int], window: int | None) -> _SingleGather:
-        ps = batch.page_size
-        firsts, lows, ends, tables = [], [], [], []
-        for i in seqs:
-            end = batch.starts[i] + 1
-            lo = 0 if window is None else max(0, end - window)
-            firsts.append(lo // ps)
-            lows.append(lo)
-            ends.append(end)
-            tables.append(batch.page_tables[i][lo // ps:])
-        width = max(len(t) for t in tables)
-        device = batch.positions.device
-        padded = [list(t) + [0] * (width - len(t)) for t in tables]
-        pages = torch.tensor(padded, dtype=torch.long, device=device)
-        rows = None
-        if len(seqs) < batch.num_seqs:
-            offsets = [0]
-            for n in batch.query_lens:
-                offsets.append(offsets[-1] + n)
-            rows = torch.tensor([offsets[i] for i in seqs], dtype=torch.long, device=device)
-        if len(seqs) == 1:
-            base = firsts[0] * ps
-            return cls(rows=rows, pages=pages, mask=None, keep=slice(lows[0] - base, ends[0] - base))
-        pos = torch.arange(width * ps, device=device) + torch.tensor(firsts, device=device).unsqueeze(1) * ps
-        lo_t = torch.tensor(lows, device=device).unsqueeze(1)
-        end_t = torch.tensor(ends, device=device).unsqueeze(1)
-        hi = max(e - f * ps for e, f in zip(ends, firsts, strict=True))
-        mask = ((pos >= lo_t) & (pos < end_t))[:, :hi]
-        return cls(rows=rows, pages=pages, mask=mask.view(len(seqs), 1, 1, hi), keep=slice(0, hi))
+    def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None
+                  ) -> tuple[_SingleGather, ...]:
+        """Every group's gather from one copy to the device and one mask over all of them, each group a view
+        (a step at batch 256 has a score of groups; building each on its own cost more than its attention).
+        Positions are counted from each sequence's first gathered page."""
+        order = [i for m in groups for i in m]
+        tables, lows, ends = _gathered(batch, order, window)
+        spans, pages, a = [], [], 0
+        for m in groups:
+            spans.append((a, a + len(m), max(len(t) for t in tables[a:a + len(m)])))
+            pages += _padded(tables[a:a + len(m)], 0)
+            a += len(m)
+        n, at = len(order), len(pages)
+        whole = len(groups) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
+        rows = [] if whole else [batch.token_rows[i] for i in order]
+        flat = _on(batch.positions, pages + rows + lows + ends)
+        rows_t = None if whole else flat[at:at + n]
+        at += len(rows)
+        slots = torch.arange(max(w for _, _, w in spans) * batch.page_size, device=flat.device)
+        mask = slots < flat[at + n:at + 2 * n].unsqueeze(1)
+        if window is not None:
+            mask &= slots >= flat[at:at + n].unsqueeze(1)
+        out, at = [], 0
+        for a, b, w in spans:
+            g_pages, g_rows = flat[at:at + (b - a) * w].view(b - a, w), None if whole else rows_t[a:b]
+            at += (b - a) * w
+            if b - a == 1:
+                out.append(cls(rows=g_rows, pages=g_pages, mask=None, keep=slice(lows[a], ends[a])))
+            else:
+                hi = max(ends[a:b])
+                out.append(cls(rows=g_rows, pages=g_pages, mask=mask[a:b, None, None, :hi], keep=slice(0, hi)))
+        return tuple(out)
+
+
+def _gathered(batch: AttentionBatch, seqs: list[int], window: int | None
+              ) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+    """Per one-token sequence: the pages it gathers (from the first its window reaches), and the slots it
+    sees among them, [low, end)."""
+    ps = batch.page_size
+    tables, lows, ends = [], [], []
+    for i in seqs:
+        end = batch.starts[i] + 1
+        lo = 0 if window is None else max(0, end - window)
+        first = lo // ps
+        tables.append(batch.page_tables[i][first:])
+        lows.append(lo - first * ps)
+        ends.append(end - first * ps)
+    return tables, lows, ends
 
 
 PoolBatches = AttentionBatch | Mapping[str, AttentionBatch]
@@ -269,10 +326,11 @@ def paged_attention(
         out[group.rows] = _single_token_attention(q[group.rows], k_cache, v_cache, group, scale)
     page_size = batch.page_size
     a = 0
-    for start, n, table in zip(batch.starts, batch.query_lens, batch.page_tensors, strict=True):
+    for i, (start, n) in enumerate(zip(batch.starts, batch.query_lens, strict=True)):
         if n == 1:
             a += 1
             continue
+        table = batch.page_tensors[i]
         kv_len = start + n
         lo = 0 if window is None else max(0, start + 1 - window)
         first_page = lo // page_size
