@@ -7,10 +7,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+from lockstep import local_group
 from lockstep.bench.command import main
 from lockstep.bench.report import percentile
 from lockstep.bench.workload import make_workload
+from lockstep.model.config import ModelConfig
+from lockstep.model.kv_cache import KVCache
 
 REQUESTS, TOKENS = 6, 32
 
@@ -43,6 +47,31 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
     assert "served / in-process throughput" in table and "coordinator time / step p50" in table
 
 
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_the_dtype_reaches_every_rank_of_both_runs(how, tmp_path, capfd, monkeypatch):
+    """The served ranks were started with `--dtype auto` whatever the bench was told (float32 on the CPU)."""
+    flags = ["--dtype", "bfloat16"] if how == "flag" else []
+    if how == "env":
+        monkeypatch.setenv("LOCKSTEP_DTYPE", "bfloat16")
+    in_process: list[bool] = []
+
+    class Recording(local_group.LocalGroup):  # the in-process ranks' KV page bytes tell the dtype they loaded
+        def __init__(self, model_dir: str, world_size: int, **kw) -> None:
+            super().__init__(model_dir, world_size, **kw)
+            config = ModelConfig.from_dir(model_dir)
+            in_process.extend(dict(info.page_bytes) == {
+                pool: KVCache.bytes_per_page(config, world_size, kw["page_size"], torch.bfloat16, pool)
+                for pool in config.pool_names} for info in self.infos)
+
+    monkeypatch.setattr(local_group, "LocalGroup", Recording)
+    rc = main(["--tiny", "--requests", "2", "--concurrency", "2", "--max-tokens", "4", "--max-prompt", "20",
+               "--warmup", "0", "--log-dir", str(tmp_path / "logs"), *flags])
+    assert rc == 0, capfd.readouterr().out
+    for rank in range(2):
+        assert f"rank {rank}: bfloat16 on cpu" in (tmp_path / "logs" / f"rank{rank}.log").read_text()
+    assert in_process == [True, True]
+
+
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
@@ -62,6 +91,9 @@ def test_bad_arguments_are_refused(capsys):
         with pytest.raises(SystemExit):
             main(["--tiny", "--temperature", bad])
         assert "temperature must be in [0, 2]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--dtype", "float64"])
+    assert "--dtype" in capsys.readouterr().err
 
 
 def test_workload_is_deterministic_and_in_range():

@@ -104,7 +104,8 @@ class Engine:
             key_salt(model_id, cfg.page_size), config.max_position_embeddings, cfg.prefix_caching, cfg.rank,
             window=config.sliding_window if POOL_SLIDING in pages else 0,
         )
-        log.info("rank %d: KV pools %s pages of %d tokens", cfg.rank, pages, cfg.page_size)
+        log.info("rank %d: %s on %s, KV pools %s pages of %d tokens", cfg.rank, str(dtype).removeprefix("torch."),
+                 device, pages, cfg.page_size)
         return cls(model, kv, cache, comm, config, model_id)
 
     def info(self) -> RankInfo:

@@ -59,6 +59,7 @@ class LocalGroup:
         kv_pages: int | Sequence[int] = 256,
         prefix_caching: bool = True,
         timeout_s: float = 300.0,
+        dtype: str = "auto",
     ) -> None:
         pages = [kv_pages] * world_size if isinstance(kv_pages, int) else list(kv_pages)
         if len(pages) != world_size:
@@ -72,7 +73,8 @@ class LocalGroup:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             cfg = EngineConfig(model=str(model_dir), rank=rank, world_size=world_size, rendezvous=rendezvous,
-                               page_size=page_size, kv_pages=pages[rank], prefix_caching=prefix_caching)
+                               page_size=page_size, kv_pages=pages[rank], prefix_caching=prefix_caching,
+                               dtype=dtype)
             proc = ctx.Process(target=_rank_main, args=(child, cfg, threads), daemon=True)
             proc.start()
             self.conns.append(parent)

@@ -17,6 +17,8 @@ from lockstep.bench.report import RunResult, compare, format_table, summarize
 from lockstep.bench.served import run_served
 from lockstep.bench.tiny_model import build_tiny_model
 from lockstep.bench.workload import BenchConfig, make_workload
+from lockstep.engine_config import DTYPE
+from lockstep.settings import add_settings, resolve
 
 
 def _int_at_least(low: int):
@@ -75,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--no-prefix-caching", action="store_true")
+    add_settings(p, (DTYPE,))
     p.add_argument("--warmup", type=_non_negative, default=2, help="requests run before measuring")
     p.add_argument("--only", choices=("served", "in-process"), help="run one side only")
     p.add_argument("--json", type=Path, help="also write the numbers to this file")
@@ -86,6 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                    help="with --url: Bearer key (default: $OPENAI_API_KEY)")
     args = p.parse_args(argv)
+    args.dtype = resolve(p, args, (DTYPE,), os.environ)["dtype"]
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} is larger than --max-prompt {args.max_prompt}")
     return args
@@ -141,7 +145,7 @@ def _bench(argv: list[str]) -> int:
             return 2
         cfg = BenchConfig(tp=args.tp, page_size=args.page_size, kv_pages=args.kv_pages,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup)
+                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
                                  args.concurrency, vocab, args.seed, args.temperature)
         if args.url:

@@ -20,7 +20,7 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
 
     result = RunResult("in-process", outputs=[None] * len(workload.prompts))
     with LocalGroup(str(model_dir), cfg.tp, page_size=cfg.page_size, kv_pages=cfg.kv_pages,
-                    prefix_caching=cfg.prefix_caching, timeout_s=cfg.startup_timeout_s) as group:
+                    prefix_caching=cfg.prefix_caching, timeout_s=cfg.startup_timeout_s, dtype=cfg.dtype) as group:
         info = group.infos[0]
         scheduler = Scheduler(cfg.page_size, key_salt(info.model_id, cfg.page_size), cfg.max_num_batched_tokens,
                               cfg.max_num_seqs, cfg.tp, cfg.prefix_caching, info.max_model_len,

@@ -33,7 +33,7 @@ class ServedGroup:
         try:
             for r in range(cfg.tp):
                 self._spawn(f"rank{r}", rank_command(r, cfg.tp, rendezvous, ports[r], model_dir, cfg.page_size,
-                                                     cfg.kv_pages, threads, cfg.prefix_caching), env)
+                                                     cfg.kv_pages, threads, cfg.prefix_caching, cfg.dtype), env)
             self.port = free_port()
             coordinator = [
                 sys.executable, "-m", "lockstep.cli", "coordinator", "--model", str(model_dir),

@@ -17,6 +17,7 @@ class BenchConfig:
     max_num_seqs: int = 64
     prefix_caching: bool = True
     warmup: int = 2
+    dtype: str = "auto"  # the ranks' weights and KV (`--dtype`), in both runs
     startup_timeout_s: float = 300.0
 
 
