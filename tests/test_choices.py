@@ -215,8 +215,9 @@ def test_a_failing_choice_fails_the_request_and_aborts_the_others():
     assert set(aborted) == {rid for rid, _ in fe.asked} - failed and len(aborted) == 4
 
 
+@pytest.mark.parametrize("n", [1, 3])  # one choice is read without the task and queue that interleave n
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_hangs_up_aborts_every_choice(stream):
+def test_a_client_that_hangs_up_aborts_every_choice(stream, n):
     fe = Hanging([TokenEvent(tid("Hello"))])
 
     async def go() -> list[str]:
@@ -226,17 +227,17 @@ def test_a_client_that_hangs_up_aborts_every_choice(stream):
             async with aiohttp.ClientSession() as session:
                 with pytest.raises(asyncio.TimeoutError):
                     async with session.post(f"http://127.0.0.1:{port}{C}", json={
-                            "prompt": [5], "n": 3, "stream": stream}, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                            "prompt": [5], "n": n, "stream": stream}, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                         await r.read()
             for _ in range(50):
-                if len(fe.closed) == 3:
+                if len(fe.closed) == n:
                     break
                 await asyncio.sleep(0.1)
             return list(fe.closed)
         finally:
             await runner.cleanup()
 
-    assert asyncio.run(go()) == ["closed"] * 3 and len(fe.asked) == 3
+    assert asyncio.run(go()) == ["closed"] * n and len(fe.asked) == n
 
 
 # ----- echo
