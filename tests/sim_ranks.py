@@ -151,6 +151,7 @@ class Group:
         self.ahead_plans = 0
         self.drawn: dict[str, int] = {}  # rank 0's tokens of the last step run
         self.refused_last = False
+        self.flush_asked: set[int] = set()  # ranks whose flush waits for a plan built from reports
         sliding = sliding or [0] * len(pools)
         self.ranks = [SimRank(r, n, sched.page_size, caching, sched.window, s)
                       for r, (n, s) in enumerate(zip(pools, sliding, strict=True))]
@@ -169,7 +170,10 @@ class Group:
     ) -> list[Event]:
         """One step; `between` runs while the plan is in flight, `tamper` edits the reports on their way."""
         plan, void = self.ahead, self.refused_last
+        self.flush_asked |= set(flush)  # as the group's loop: a flush rides on the next plan built from reports
+        flush = ()
         if plan is None:
+            flush, self.flush_asked = tuple(sorted(self.flush_asked)), set()
             plan = self.sched.plan(self.step, self.reports, flush=bool(flush))
             void = False
         before = dict(self.next_start)
@@ -192,7 +196,7 @@ class Group:
             tamper(reports)
         self.drawn = {s.request_id: s.token_id for s in reports[0].sampled}
         self.refused_last = bool(group_error)
-        self.ahead = self.sched.plan_ahead(self.step + 1) if self.overlap else None
+        self.ahead = self.sched.plan_ahead(self.step + 1) if self.overlap and not self.flush_asked else None
         self.ahead_plans += self.ahead is not None
         events = self.sched.apply(reports)
         self.reports, self.step = reports, self.step + 1

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 import aiohttp
 import pytest
 
-from lockstep.coordinator.choices import choice_ids, choice_specs
+from lockstep.coordinator.choices import choice_ids, choice_specs, interleave
 from lockstep.coordinator.generation import (
     SEED_MAX,
     SEED_MIN,
@@ -238,6 +238,43 @@ def test_a_client_that_hangs_up_aborts_every_choice(stream, n):
             await runner.cleanup()
 
     assert asyncio.run(go()) == ["closed"] * n and len(fe.asked) == n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_interleave_closes_every_choice_it_reads_and_passes_its_error_on(n):
+    """Read directly (one choice) or through a queue (several): a reader that stops early closes each choice
+    (closing a coordinator's events aborts the request), and a choice's error reaches the reader as it was."""
+    closed: list[int] = []
+
+    async def choice(i: int, fail: bool = False) -> AsyncGenerator[TextPiece, None]:
+        try:
+            yield TextPiece(f"a{i}", [1], None, 0)
+            if fail:
+                raise ApiError(503, "the group went down", code="group_unavailable")
+            yield TextPiece(f"b{i}", [2], None, 0)
+            await asyncio.Event().wait()  # runs until it is closed
+        finally:
+            closed.append(i)
+
+    async def stop_early() -> tuple[int, str, list[int]]:
+        pieces = interleave([choice(i) for i in range(n)])
+        i, piece = await pieces.__anext__()
+        await pieces.aclose()
+        return i, piece.text, sorted(closed)  # closed by then, not by the loop's clean-up of forgotten generators
+
+    assert asyncio.run(stop_early()) == (0, "a0", list(range(n)))
+
+    async def read_all() -> tuple[list[str], list[int]]:
+        got: list[str] = []
+        with pytest.raises(ApiError) as err:
+            async for _, piece in interleave([choice(0, fail=True)] + [choice(i) for i in range(1, n)]):
+                got.append(piece.text)
+        assert err.value.status == 503
+        return got, sorted(closed)
+
+    closed.clear()
+    got, closed_then = asyncio.run(read_all())
+    assert "a0" in got and closed_then == list(range(n))
 
 
 # ----- echo

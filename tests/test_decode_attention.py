@@ -82,8 +82,41 @@ def _group_seqs(batch, group):
 
 def test_a_very_long_sequence_gets_its_own_group():
     batch = run_case(LONG_AMONG_SHORT, 4, 2, None, page_size=16)
-    sizes = sorted(g.pages.shape[0] for g in batch.single_gathers(None))
+    groups = batch.single_gathers(None)
+    sizes = sorted(g.pages.shape[0] for g in groups)
     assert sizes == [1, len(LONG_AMONG_SHORT) - 1]
+    # the short ones' mask is as wide as they are, not as the long one (a row of 700 slots for each of them)
+    (mask,) = [g.mask for g in groups if g.mask is not None]
+    assert mask.untyped_storage().nbytes() <= len(LONG_AMONG_SHORT) * 16
+
+
+@pytest.mark.parametrize("window", [5, 9])
+def test_pages_a_window_has_left_may_be_gone(window):
+    """RankCache gives -1 for the pages a sliding window moved past (they went back to the pool): the batch
+    and its gathers must never read them, for decodes and prefill chunks alike."""
+    page_size, heads, kv_heads, d = 4, 4, 2, 8
+    spans = [(s, 1) for s in (3, 17, 40, 26, 9)] + [(12, 6), (0, 5)]
+    gen = torch.Generator().manual_seed(7)
+    pages = sum(math.ceil((s + n) / page_size) for s, n in spans) + 1
+    k_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
+    v_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
+    tables, at = [], 1
+    for s, n in spans:
+        count = math.ceil((s + n) / page_size)
+        tables.append(list(range(at, at + count)))
+        at += count
+    gone = [[-1 if p < max(0, s + 1 - window) // page_size else t for p, t in enumerate(table)]
+            for (s, _), table in zip(spans, tables, strict=True)]
+    q = torch.randn(sum(n for _, n in spans), heads, d, generator=gen)
+    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, gone, strict=True)], page_size,
+                                 window=window)
+    assert all(int(g.pages.min()) >= 0 for g in batch.single_gathers(window))
+    got = paged_attention(q, k_cache, v_cache, batch, window, 0.3)
+    a = 0
+    for (s, n), t in zip(spans, tables, strict=True):
+        want = reference(q[a: a + n], k_cache, v_cache, t, s, n, window, 0.3, page_size)
+        torch.testing.assert_close(got[a: a + n], want, atol=TOL, rtol=TOL)
+        a += n
 
 
 def test_length_groups_cover_every_sequence_once_longest_first():

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from lockstep.coordinator.request import Request
-from lockstep.coordinator.scheduler import FINISHED, TOKEN
+from lockstep.coordinator.scheduler import FINISHED, TOKEN, Scheduler
 from lockstep.steps import PENDING_TOKEN, SamplingParams
 from sim_ranks import Group, make_sched, reference
 from test_scheduler_random import Workload, drive, seeded_pressure, workloads
@@ -21,10 +21,24 @@ def test_random_runs_with_overlap_finish_every_request_with_the_reference_tokens
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_reference(seed: int):
+def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_reference(seed: int, monkeypatch):
+    """Tight, divergent pools with flushes: plans built ahead admit requests with agreed prefixes, and hold an
+    admission back for its own reports whenever the step in flight may evict (or flush) what the last probes
+    matched; a stale prefix would be refused by a rank ("asked to pin"), which `drive` fails on."""
+    held = {True: 0, False: 0}
+    answers_hold = Scheduler._answers_hold
+
+    def spy(self: Scheduler) -> bool:
+        out = answers_hold(self)
+        held[out] += 1
+        return out
+
+    monkeypatch.setattr(Scheduler, "_answers_hold", spy)
     g = drive(seeded_pressure(seed, [14, 10, 18], overlap=True))
-    assert g.ahead_plans > 0  # mostly not: under this pressure a request nearly always waits with a seat free
-    assert g.sched.stats.preemptions > 0
+    ahead_admits = [a for p in g.plans if any(c.pending for c in p.batch) for a in p.admits]
+    assert any(a.prefix_keys for a in ahead_admits)
+    assert held[True] > 0 and held[False] > 0
+    assert g.sched.stats.preemptions > 0 and g.sched.stats.failed_steps <= 3  # only the injected refusals
 
 
 def _decode_group(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> tuple[Group, list[Request]]:
@@ -93,18 +107,69 @@ def test_a_refused_step_voids_the_plan_built_ahead_of_it_and_nothing_is_lost():
         assert r.generated == reference(r) and r.finish_reason == "length"
 
 
-def test_nothing_is_planned_ahead_while_a_waiting_request_could_be_admitted():
+def test_an_arrival_is_probed_and_admitted_by_plans_built_ahead_and_the_overlap_never_stops():
+    """A request arriving mid-run used to stop the overlap for two steps (its probe, then its admission, each
+    waiting for the last reports): with arrivals every few steps the overlap was mostly off. Now a plan built
+    ahead probes it, and the one after admits it from the answers of that plan's reports."""
     g, reqs = _decode_group(1, 20)
     g.sched.max_num_seqs = 2
     for _ in range(3):
         g.run_step()
     assert g.ahead is not None
-    late = Request("late", [9, 9, 9, 9, 9, 9], SamplingParams(), 4)
+    late = Request("late", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), 4)  # r0's first page, cached by now
     g.sched.add(late)
-    g.run_step()  # runs the plan built ahead; the next ones wait for their reports, to probe and admit `late`
-    while not any(a.request_id == "late" for a in g.plans[-1].admits):
-        assert g.ahead is None
+    while not late.finished:
         g.run_step()
-        assert len(g.plans) < 10
+        assert g.ahead is not None or not g.sched.has_work()  # every plan after the arrival was built ahead
+        assert len(g.plans) < 40
+    probed = next(p for p in g.plans if any(q.request_id == "late" for q in p.probes))
+    admitted = next(p for p in g.plans if any(a.request_id == "late" for a in p.admits))
+    assert any(c.pending for c in probed.batch) and any(c.pending for c in admitted.batch)  # both built ahead
+    assert admitted.step == probed.step + 2  # the answers of the probing plan's reports, not older ones
+    assert [len(a.prefix_keys) for a in admitted.admits] == [1] and late.cached_tokens == 4
     g.run()
     assert late.generated == reference(late) and reqs[0].generated == reference(reqs[0])
+
+
+def test_no_admission_is_built_ahead_of_a_plan_that_flushes():
+    g, reqs = _decode_group(1, 20)
+    g.sched.max_num_seqs = 3
+    for _ in range(3):
+        g.run_step()
+    g.run_step(flush=(1,))  # asked while a plan built ahead is in flight: it rides on the next plan from reports
+    assert g.ahead is None
+    late = [Request(f"late{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9 + i], SamplingParams(), 4) for i in range(3)]
+    for r in late:
+        g.sched.add(r)
+    seen = []
+    g.run_step(between=lambda plan: seen.append((plan.step, g.sched._flushing, g.sched._answers_hold())))
+    assert seen == [(4, True, False)] and g.plans[-1].probes  # the flushing plan probes the new requests
+    assert g.ahead is None  # they wait with seats free, and what the flush leaves is known only from its reports
+    g.run()
+    for r in [*late, *reqs]:
+        assert r.generated == reference(r)
+    assert g.sched.stats.failed_steps == 0
+
+
+def test_a_request_admitted_by_a_void_plan_waits_again_instead_of_failing():
+    """A plan built ahead of a step that is then refused is refused with it; a request it admitted did not
+    cause that, so it is queued again in front, and later served, not failed."""
+    g, reqs = _decode_group(1, 20)
+    g.sched.max_num_seqs = 2
+    for _ in range(3):
+        g.run_step()
+    late = Request("late", [9, 9, 9, 9, 9, 9], SamplingParams(), 4)
+    g.sched.add(late)
+    while not (g.ahead is not None and any(p.request_id == "late" for p in g.ahead.probes)):
+        g.run_step()
+        assert len(g.plans) < 20
+    g.run_step()  # the probing plan; the next one, built meanwhile, has no answers to admit with yet
+    g.run_step(refuse={0: "injected"})  # refused: the plan built meanwhile, admitting `late`, is void
+    assert g.ahead is not None and [a.request_id for a in g.ahead.admits] == ["late"] and late in g.sched.running
+    g.run_step()
+    assert late in g.sched.waiting and late.num_computed == 0
+    g.run()
+    assert late.finish_reason == "length" and late.generated == reference(late)
+    assert reqs[0].generated == reference(reqs[0])
+    for r in g.ranks:
+        r.assert_idle()

@@ -102,13 +102,16 @@ class Admitting:
         pages = self._probe_pages(req)
         return computing_sibling(req, self.running, pages, self.page_size, self.salt, computed) is not None
 
-    def _probes(self, step: int, batch: dict[str, Chunk]) -> list[Probe]:
+    def _probes(self, step: int, batch: dict[str, Chunk], in_flight: int | None = None) -> list[Probe]:
         """Probe the requests that may be admitted next: the head of the queue, up to the free seats, passing
-        over those still held once this step has run (their answers would be stale by their admission)."""
+        over those still held once this step has run (their answers would be stale by their admission) and,
+        for a plan built ahead, those the plan `in_flight` probes (asking again would drop its answers)."""
         after = {rid: c.start + len(c.token_ids) for rid, c in batch.items()}
         window = max(1, self.max_num_seqs - len(self.running))
         probes = []
-        for req in islice((r for r in self.waiting if not self._held(r, after)), window):
+        asked = self._book.waiting_on
+        candidates = (r for r in self.waiting if in_flight is None or asked(r.request_id) != in_flight)
+        for req in islice((r for r in candidates if not self._held(r, after)), window):
             pages = self._probe_pages(req)
             if pages > 0:
                 self._book.ask(req.request_id, step)

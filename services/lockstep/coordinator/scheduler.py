@@ -15,9 +15,9 @@ Calling protocol (one group, one thread):
     events = scheduler.apply(reports)       # tokens, finishes, preemptions of step k
 
 Every plan must be carried out and applied before the next one is built from reports, except one built
-ahead: `plan_ahead(k + 1)` while plan k is in flight carries the running requests on (lookahead.py), and
-apply() takes the reports of the plans in flight in order. Events decided while planning are returned by
-the next apply().
+ahead: `plan_ahead(k + 1)` while plan k is in flight carries the running requests on (lookahead.py) and admits
+from probe answers plan k cannot have made stale; apply() takes the reports of the plans in flight in order.
+Events decided while planning are returned by the next apply().
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class Scheduler(Admitting):
         self._flight: deque[Plan] = deque()  # plans built and not applied yet, oldest first
         self._spent: dict[str, list[int]] = {}  # the pages the last plan takes, per pool and rank
         self._after_refusal = -1  # a plan built ahead of a step that was then refused: refused in turn
+        self._flushing = False  # the last plan sent flushes some rank's prefix cache
         self._applied: int | None = None
         self._reports: list[Report] = []  # the last applied reports, pools filled in
         self._refused_in_a_row = 0
@@ -231,26 +232,52 @@ class Scheduler(Admitting):
             batch=tuple(batch.values()),
             probes=tuple(probes),
         )
+        self._flushing = flush
         return self._sent(plan, spent)
 
     def plan_ahead(self, step: int) -> Plan | None:
         """Plan `step` while the plan before it is in flight (overlap), from the last applied reports and what
-        that plan takes; None when the next plan must wait for its reports: something waits to be admitted
-        (with seats for it), some request cannot grow or scores its prompt, the group may rebalance at `step`
-        (its rebalancer checks there), or the plan in flight was not a plain work step."""
+        that plan takes; None when the next plan must wait for its reports: some request cannot grow or scores
+        its prompt, the group may rebalance at `step` (its rebalancer checks there), the plan in flight was not a
+        plain work step, or a request waits with a seat free and the last probe answers may not hold by `step`.
+
+        Waiting requests are probed and admitted here too, so arrivals do not stop the overlap: a request probed
+        by the plan in flight is admitted one plan later, from the answers of its reports (`_answers_hold`)."""
         last = self._last_plan
         if (len(self._flight) != 1 or last.step + 1 != step or not last.batch or last.step == self._after_refusal
                 or not self._reports or self.rebalancer is not None and self.rebalancer.checks_at(step)
-                or self.waiting and len(self.running) < self.max_num_seqs
                 or any(r.scoring_prompt for r in self.running)):
+            return None
+        seats = self.waiting and len(self.running) < self.max_num_seqs
+        if seats and not self._answers_hold():
             return None
         control = self._control(self._reports)
         control.charge(self._spent)
         batch = chunks_ahead(self.running, last, control)
+        if batch is None:
+            return None
+        admits: list[Admit] = []
+        if seats:
+            self._admit_waiting(control, batch, admits, self._reports[0].step, False)
         if not batch:
             return None
+        probes = self._probes(step, batch, in_flight=last.step) if self.prefix_caching else []
         releases, self._releases = tuple(dict.fromkeys(self._releases)), []
-        return self._sent(Plan(step, releases=releases, batch=tuple(batch.values())), control.spent())
+        self._flushing = False
+        plan = Plan(step, releases=releases, admits=tuple(admits), batch=tuple(batch.values()), probes=tuple(probes))
+        return self._sent(plan, control.spent())
+
+    def _answers_hold(self) -> bool:
+        """Whether what the last reports' probes matched is still held when the plan after the one in flight pins
+        it: the plan in flight flushes no rank and takes, in every pool of every rank, no more pages than were
+        free, so it evicts no cached page (free pages go first). Else an admission waits for its own reports."""
+        if self._flushing:
+            return False
+        for r, report in enumerate(self._reports):
+            free = {p.pool: p.free for p in report.pools}
+            if any(pages[r] > free.get(name, 0) for name, pages in self._spent.items()):
+                return False
+        return True
 
     def _sent(self, plan: Plan, spent: dict[str, list[int]]) -> Plan:
         self._last_plan, self._spent = plan, spent
@@ -346,6 +373,7 @@ class Scheduler(Admitting):
     def _apply_failure(self, plan: Plan, reports: list[Report], failed: list[Report], events: list[Event]) -> None:
         if plan.step == self._after_refusal:  # built ahead of a refused step, so refused with it: nothing ran
             self._releases.extend(plan.releases)
+            self._unadmit(plan.admits)
             return
         if self._flight:
             self._after_refusal = self._flight[0].step
@@ -392,6 +420,17 @@ class Scheduler(Admitting):
                                 prompt_logprobs=req.prompt_logprobs_to_send()))
             if reason is not None:
                 events.append(self._finish(req, reason))
+
+    def _unadmit(self, admits: Sequence[Admit]) -> None:
+        """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""
+        for admit in reversed(admits):
+            req = self.requests.get(admit.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                req.status, req.num_computed = RequestStatus.WAITING, 0
+                if req.num_preemptions == 0:
+                    req.cached_tokens = 0
+                self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: FinishReason, error: str = "") -> Event:
         if req.status is RequestStatus.RUNNING:

@@ -248,10 +248,13 @@ class _SingleGather:
         flat = _on(batch.positions, pages + rows + lows + ends)
         rows_t = None if whole else flat[at:at + n]
         at += len(rows)
-        slots = torch.arange(max(w for _, _, w in spans) * batch.page_size, device=flat.device)
-        mask = slots < flat[at + n:at + 2 * n].unsqueeze(1)
-        if window is not None:
-            mask &= slots >= flat[at:at + n].unsqueeze(1)
+        masked = [w for a, b, w in spans if b - a > 1]  # a group of one needs no mask: it is sliced exactly
+        mask = torch.empty(0, dtype=torch.bool)
+        if masked:  # as wide as the widest such group (a very long sequence is usually a group of its own)
+            slots = torch.arange(max(masked) * batch.page_size, device=flat.device)
+            mask = slots < flat[at + n:at + 2 * n].unsqueeze(1)
+            if window is not None:
+                mask &= slots >= flat[at:at + n].unsqueeze(1)
         out, at = [], 0
         for a, b, w in spans:
             g_pages, g_rows = flat[at:at + (b - a) * w].view(b - a, w), None if whole else rows_t[a:b]
