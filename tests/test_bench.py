@@ -38,6 +38,7 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
         assert run["coordinator"]["p50_ms"] < run["step"]["p50_ms"], name
         assert run["coordinator_full_batch"]["steps"] > 0, name
     served = runs["served"]
+    assert 0 < served["planned_ahead"] <= 1 and runs["in-process"]["planned_ahead"] is None
     assert {"plan", "send", "wait", "apply"} <= served["parts"].keys()
     assert served["parts"]["wait"]["p50_ms"] > 0
     comparison = report["comparison"]
@@ -45,6 +46,7 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, capsys):
     # seeded sampling (request i with seed i): served and in-process draw the same tokens, token for token
     assert comparison["identical_outputs"] == REQUESTS
     assert "served / in-process throughput" in table and "coordinator time / step p50" in table
+    assert "steps planned ahead (%)" in table
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

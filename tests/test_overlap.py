@@ -3,12 +3,14 @@ and every output stays what the one-plan-at-a-time scheduler gives, with nothing
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from lockstep.coordinator.request import Request
 from lockstep.coordinator.scheduler import FINISHED, TOKEN, Scheduler
-from lockstep.steps import PENDING_TOKEN, SamplingParams
+from lockstep.steps import PENDING_TOKEN, PoolState, ProbeAnswer, Report, SamplingParams
 from sim_ranks import Group, make_sched, reference
 from test_scheduler_random import Workload, drive, seeded_pressure, workloads
 
@@ -131,24 +133,53 @@ def test_an_arrival_is_probed_and_admitted_by_plans_built_ahead_and_the_overlap_
     assert late.generated == reference(late) and reqs[0].generated == reference(reqs[0])
 
 
-def test_no_admission_is_built_ahead_of_a_plan_that_flushes():
+def test_a_flush_waits_for_a_plan_built_from_reports_and_nothing_is_admitted_ahead_of_it():
     g, reqs = _decode_group(1, 20)
     g.sched.max_num_seqs = 3
     for _ in range(3):
         g.run_step()
-    g.run_step(flush=(1,))  # asked while a plan built ahead is in flight: it rides on the next plan from reports
-    assert g.ahead is None
     late = [Request(f"late{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9 + i], SamplingParams(), 4) for i in range(3)]
     for r in late:
         g.sched.add(r)
+    g.run_step()  # the plan built before they came; the one built meanwhile probes them
+    assert g.ahead is not None and g.ahead.probes
+    g.run_step(flush=(1,))  # asked while a plan built ahead is in flight: it rides on the next plan from reports
+    assert g.ahead is None and g.reports[0].probes
     seen = []
-    g.run_step(between=lambda plan: seen.append((plan.step, g.sched._flushing, g.sched._answers_hold())))
-    assert seen == [(4, True, False)] and g.plans[-1].probes  # the flushing plan probes the new requests
-    assert g.ahead is None  # they wait with seats free, and what the flush leaves is known only from its reports
+    g.run_step(between=lambda plan: seen.append((g.sched._flushing, g.sched._answers_hold())))
+    assert seen == [(True, False)]  # the last reports answered probes, and the plan in flight flushes
+    assert g.ahead is None or not g.ahead.admits
     g.run()
     for r in [*late, *reqs]:
         assert r.generated == reference(r)
     assert g.sched.stats.failed_steps == 0
+
+
+def _report(rank: int, free: int, evictable: int, probes: tuple[ProbeAnswer, ...], sliding: int | None = None
+            ) -> Report:
+    pools = [PoolState("full", 100, free, evictable, 100 - free - evictable)]
+    if sliding is not None:
+        pools.append(PoolState("sliding", 100, 0, sliding, 100 - sliding))
+    return Report(step=4, rank=rank, probes=probes, pools=tuple(pools))
+
+
+@pytest.mark.parametrize(("spent", "holds"), [(10, True), (11, False)])
+def test_answers_hold_while_the_step_in_flight_takes_no_probed_page(spent: int, holds: bool):
+    """A probe touches the cached pages it matched, so the step in flight evicts them last: the answers hold if
+    it takes at most the free pages and the evictable ones the probes did not touch, on every rank, in every
+    pool (rank 1: 4 free + 9 evictable - (5 - 2) touched = 10; its sliding pool: 12 - (4 - 1) - 1 = 8)."""
+    sched = make_sched(ranks=2)
+    answers = (ProbeAnswer("a", 5, 2, ((0, 4),), 1), ProbeAnswer("b", 0, 0, ((2, 3),), 0))
+    sched._reports = [_report(0, 50, 0, answers, sliding=50), _report(1, 4, 9, answers, sliding=12)]
+    sched._spent = {"full": [0, spent], "sliding": [0, 8]}
+    assert sched._answers_hold() is holds
+    sched._spent = {"full": [0, 10], "sliding": [0, 9]}  # one page past the sliding pool's untouched ones
+    assert sched._answers_hold() is False
+    sched._spent = {"full": [0, 10], "sliding": [0, 8]}
+    sched._flushing = True  # a flush in flight drops what the probes matched
+    assert sched._answers_hold() is False
+    sched._reports = [replace(r, probes=()) for r in sched._reports]
+    assert sched._answers_hold() is True  # no answers to keep: only requests without a prefix are admitted
 
 
 def test_a_request_admitted_by_a_void_plan_waits_again_instead_of_failing():

@@ -67,6 +67,9 @@ def summarize(result: RunResult, workload: Workload) -> dict:
         "coordinator": pct(result.coordinator_s),
         "coordinator_full_batch": {**pct(full), "steps": len(full), "batch": workload.concurrency},
         "parts": {name: pct(values) for name, values in result.parts_s.items()},
+        # steps whose next plan went out before their reports came (overlap); the in-process run has none
+        "planned_ahead": (sum(1 for s in result.parts_s["ahead"] if s > 0) / len(result.parts_s["ahead"])
+                          if result.parts_s.get("ahead") else None),
     }
 
 
@@ -117,6 +120,8 @@ def format_table(report: dict) -> str:
     row(f"coordinator @ batch {batch} p99 (ms)", lambda r: r["coordinator_full_batch"]["p99_ms"], "{:14.3f}")
     for part in ("plan", "send", "apply", "wait"):
         row(f"  {part} p50 (ms)", lambda r, p=part: r["parts"][p]["p50_ms"], "{:14.3f}")
+    row("steps planned ahead (%)", lambda r: None if r["planned_ahead"] is None else 100 * r["planned_ahead"],
+        "{:14.1f}")
     row("request latency p50 (ms)", lambda r: r["latency"]["p50_ms"], "{:14.1f}")
     row("request latency p99 (ms)", lambda r: r["latency"]["p99_ms"], "{:14.1f}")
     c = report.get("comparison")

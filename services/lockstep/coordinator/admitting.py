@@ -2,12 +2,14 @@
 
 Part of `Scheduler` (scheduler.py), kept in its own file so each stays readable: a waiting request is probed
 in one plan and admitted in a later one with the prefix every rank agreed on, if it fits on every rank; one
-whose prompt pages a running request is computing now is passed over, in place (prefix_sharing).
+whose prompt pages a running request is computing now is passed over, in place (prefix_sharing). A plan built
+ahead admits only from answers the step in flight cannot have made stale (`_answers_hold`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import islice
 
@@ -16,7 +18,8 @@ from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event
 from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.steps import Admit, Chunk, Probe, ProbeAnswer
+from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
+from lockstep.steps import Admit, Chunk, Probe, ProbeAnswer, Report
 
 
 class Admitting:
@@ -30,8 +33,12 @@ class Admitting:
     window: int
     waiting: deque[Request]
     running: list[Request]
+    requests: dict[str, Request]
     _book: ProbeBook
     _events: list[Event]
+    _reports: list[Report]
+    _spent: dict[str, list[int]]
+    _flushing: bool
 
     def _probe_pages(self, req: Request) -> int:
         """Pages worth probing: full pages of its tokens, short of the last token that must be computed; none
@@ -117,3 +124,33 @@ class Admitting:
                 self._book.ask(req.request_id, step)
                 probes.append(Probe(req.request_id, req.page_keys(pages, self.page_size, self.salt)))
         return probes
+
+    def _answers_hold(self) -> bool:
+        """Whether what the last reports' probes matched is still held when the plan after the one in flight pins
+        it. A probe makes the cached pages it matched the most recently used (`PagePool.probe`), so the plan in
+        flight evicts them only after every older cached page: it must flush no rank and take, in every pool of
+        every rank, no more than the free pages plus the evictable ones the probes did not touch. Else an
+        admission waits for its own reports."""
+        if not any(report.probes for report in self._reports):
+            return True
+        if self._flushing:
+            return False
+        for r, report in enumerate(self._reports):
+            touched = {POOL_FULL: sum(a.matched_pages - a.pinned_pages for a in report.probes),
+                       POOL_SLIDING: sum(b - a for p in report.probes for a, b in p.sliding_runs)
+                       - sum(p.sliding_pinned for p in report.probes)}
+            room = {p.pool: p.free + p.evictable - touched.get(p.pool, p.evictable) for p in report.pools}
+            if any(pages[r] > room.get(name, 0) for name, pages in self._spent.items()):
+                return False
+        return True
+
+    def _unadmit(self, admits: Sequence[Admit]) -> None:
+        """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""
+        for admit in reversed(admits):
+            req = self.requests.get(admit.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                req.status, req.num_computed = RequestStatus.WAITING, 0
+                if req.num_preemptions == 0:
+                    req.cached_tokens = 0
+                self.waiting.appendleft(req)

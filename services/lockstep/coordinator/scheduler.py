@@ -267,18 +267,6 @@ class Scheduler(Admitting):
         plan = Plan(step, releases=releases, admits=tuple(admits), batch=tuple(batch.values()), probes=tuple(probes))
         return self._sent(plan, control.spent())
 
-    def _answers_hold(self) -> bool:
-        """Whether what the last reports' probes matched is still held when the plan after the one in flight pins
-        it: the plan in flight flushes no rank and takes, in every pool of every rank, no more pages than were
-        free, so it evicts no cached page (free pages go first). Else an admission waits for its own reports."""
-        if self._flushing:
-            return False
-        for r, report in enumerate(self._reports):
-            free = {p.pool: p.free for p in report.pools}
-            if any(pages[r] > free.get(name, 0) for name, pages in self._spent.items()):
-                return False
-        return True
-
     def _sent(self, plan: Plan, spent: dict[str, list[int]]) -> Plan:
         self._last_plan, self._spent = plan, spent
         self._flight.append(plan)
@@ -420,17 +408,6 @@ class Scheduler(Admitting):
                                 prompt_logprobs=req.prompt_logprobs_to_send()))
             if reason is not None:
                 events.append(self._finish(req, reason))
-
-    def _unadmit(self, admits: Sequence[Admit]) -> None:
-        """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""
-        for admit in reversed(admits):
-            req = self.requests.get(admit.request_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self.running.remove(req)
-                req.status, req.num_computed = RequestStatus.WAITING, 0
-                if req.num_preemptions == 0:
-                    req.cached_tokens = 0
-                self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: FinishReason, error: str = "") -> Event:
         if req.status is RequestStatus.RUNNING:
