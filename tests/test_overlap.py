@@ -3,14 +3,12 @@ and every output stays what the one-plan-at-a-time scheduler gives, with nothing
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from lockstep.coordinator.request import Request
-from lockstep.coordinator.scheduler import FINISHED, TOKEN, Scheduler
-from lockstep.steps import PENDING_TOKEN, PoolState, ProbeAnswer, Report, SamplingParams
+from lockstep.coordinator.scheduler import FINISHED, TOKEN
+from lockstep.steps import PENDING_TOKEN, SamplingParams
 from sim_ranks import Group, make_sched, reference
 from test_scheduler_random import Workload, drive, seeded_pressure, workloads
 
@@ -23,23 +21,14 @@ def test_random_runs_with_overlap_finish_every_request_with_the_reference_tokens
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_reference(seed: int, monkeypatch):
-    """Tight, divergent pools with flushes: plans built ahead admit requests with agreed prefixes, and hold an
-    admission back for its own reports whenever the step in flight may evict (or flush) what the last probes
-    matched; a stale prefix would be refused by a rank ("asked to pin"), which `drive` fails on."""
-    held = {True: 0, False: 0}
-    answers_hold = Scheduler._answers_hold
-
-    def spy(self: Scheduler) -> bool:
-        out = answers_hold(self)
-        held[out] += 1
-        return out
-
-    monkeypatch.setattr(Scheduler, "_answers_hold", spy)
+def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_reference(seed: int):
+    """Tight, divergent pools with flushes: plans built ahead probe the waiting requests and admit those with no
+    prefix to agree on, and never pin one (the answers they would pin from may have gone stale since)."""
     g = drive(seeded_pressure(seed, [14, 10, 18], overlap=True))
-    ahead_admits = [a for p in g.plans if any(c.pending for c in p.batch) for a in p.admits]
-    assert any(a.prefix_keys for a in ahead_admits)
-    assert held[True] > 0 and held[False] > 0
+    ahead = [p for p in g.plans if any(c.pending for c in p.batch)]
+    assert ahead  # few: under this pressure the head of the queue is nearly always waiting for its answers
+    assert all(not a.prefix_keys for p in ahead for a in p.admits)
+    assert any(a.prefix_keys for p in g.plans for a in p.admits)  # from the reports that answered their probes
     assert g.sched.stats.preemptions > 0 and g.sched.stats.failed_steps <= 3  # only the injected refusals
 
 
@@ -109,10 +98,10 @@ def test_a_refused_step_voids_the_plan_built_ahead_of_it_and_nothing_is_lost():
         assert r.generated == reference(r) and r.finish_reason == "length"
 
 
-def test_an_arrival_is_probed_and_admitted_by_plans_built_ahead_and_the_overlap_never_stops():
+def test_an_arrival_costs_the_overlap_one_step_and_its_time_to_first_token_nothing():
     """A request arriving mid-run used to stop the overlap for two steps (its probe, then its admission, each
-    waiting for the last reports): with arrivals every few steps the overlap was mostly off. Now a plan built
-    ahead probes it, and the one after admits it from the answers of that plan's reports."""
+    waiting for the last reports). Now a plan built ahead probes it, and the plan built from the reports that
+    answer the probe admits it, as soon as before; the plans after it are built ahead again."""
     g, reqs = _decode_group(1, 20)
     g.sched.max_num_seqs = 2
     for _ in range(3):
@@ -120,20 +109,36 @@ def test_an_arrival_is_probed_and_admitted_by_plans_built_ahead_and_the_overlap_
     assert g.ahead is not None
     late = Request("late", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), 4)  # r0's first page, cached by now
     g.sched.add(late)
-    while not late.finished:
-        g.run_step()
-        assert g.ahead is not None or not g.sched.has_work()  # every plan after the arrival was built ahead
-        assert len(g.plans) < 40
-    probed = next(p for p in g.plans if any(q.request_id == "late" for q in p.probes))
-    admitted = next(p for p in g.plans if any(a.request_id == "late" for a in p.admits))
-    assert any(c.pending for c in probed.batch) and any(c.pending for c in admitted.batch)  # both built ahead
-    assert admitted.step == probed.step + 2  # the answers of the probing plan's reports, not older ones
-    assert [len(a.prefix_keys) for a in admitted.admits] == [1] and late.cached_tokens == 4
+    arrived = len(g.plans)
     g.run()
+    after = g.plans[arrived:]
+    probed = next(p for p in after if any(q.request_id == "late" for q in p.probes))
+    admitted = next(p for p in after if any(a.request_id == "late" for a in p.admits))
+    assert any(c.pending for c in probed.batch)  # built ahead
+    assert admitted.step == probed.step + 1 and not any(c.pending for c in admitted.batch)  # from its reports
+    assert [len(a.prefix_keys) for a in admitted.admits] == [1] and late.cached_tokens == 4
+    from_reports = [p.step for p in after if p.batch and not any(c.pending for c in p.batch)]
+    assert from_reports == [admitted.step]  # the only plan after the arrival not built ahead
     assert late.generated == reference(late) and reqs[0].generated == reference(reqs[0])
 
 
-def test_a_flush_waits_for_a_plan_built_from_reports_and_nothing_is_admitted_ahead_of_it():
+def test_without_a_prefix_to_agree_on_an_arrival_is_admitted_ahead_and_the_overlap_never_stops():
+    g, reqs = _decode_group(1, 20)
+    g.sched.max_num_seqs = 2
+    for _ in range(3):
+        g.run_step()
+    late = Request("late", [9, 9, 9], SamplingParams(), 4)  # shorter than a page and a token: nothing to probe
+    g.sched.add(late)
+    arrived = len(g.plans)
+    g.run()
+    after = [p for p in g.plans[arrived:] if p.batch]
+    admitted = next(p for p in after if any(a.request_id == "late" for a in p.admits))
+    assert all(any(c.pending for c in p.batch) for p in after)  # every plan built ahead, the admitting one too
+    assert admitted is after[1]  # the first plan built after it came (after[0] was in flight already)
+    assert late.generated == reference(late) and reqs[0].generated == reference(reqs[0])
+
+
+def test_a_flush_waits_for_a_plan_built_from_reports():
     g, reqs = _decode_group(1, 20)
     g.sched.max_num_seqs = 3
     for _ in range(3):
@@ -141,45 +146,14 @@ def test_a_flush_waits_for_a_plan_built_from_reports_and_nothing_is_admitted_ahe
     late = [Request(f"late{i}", [1, 2, 3, 4, 5, 6, 7, 8, 9 + i], SamplingParams(), 4) for i in range(3)]
     for r in late:
         g.sched.add(r)
-    g.run_step()  # the plan built before they came; the one built meanwhile probes them
-    assert g.ahead is not None and g.ahead.probes
+    g.run_step()
     g.run_step(flush=(1,))  # asked while a plan built ahead is in flight: it rides on the next plan from reports
-    assert g.ahead is None and g.reports[0].probes
-    seen = []
-    g.run_step(between=lambda plan: seen.append((g.sched._flushing, g.sched._answers_hold())))
-    assert seen == [(True, False)]  # the last reports answered probes, and the plan in flight flushes
-    assert g.ahead is None or not g.ahead.admits
+    assert g.ahead is None
     g.run()
+    assert not any(c.pending for c in g.plans[5].batch)  # the flushing plan
     for r in [*late, *reqs]:
         assert r.generated == reference(r)
     assert g.sched.stats.failed_steps == 0
-
-
-def _report(rank: int, free: int, evictable: int, probes: tuple[ProbeAnswer, ...], sliding: int | None = None
-            ) -> Report:
-    pools = [PoolState("full", 100, free, evictable, 100 - free - evictable)]
-    if sliding is not None:
-        pools.append(PoolState("sliding", 100, 0, sliding, 100 - sliding))
-    return Report(step=4, rank=rank, probes=probes, pools=tuple(pools))
-
-
-@pytest.mark.parametrize(("spent", "holds"), [(10, True), (11, False)])
-def test_answers_hold_while_the_step_in_flight_takes_no_probed_page(spent: int, holds: bool):
-    """A probe touches the cached pages it matched, so the step in flight evicts them last: the answers hold if
-    it takes at most the free pages and the evictable ones the probes did not touch, on every rank, in every
-    pool (rank 1: 4 free + 9 evictable - (5 - 2) touched = 10; its sliding pool: 12 - (4 - 1) - 1 = 8)."""
-    sched = make_sched(ranks=2)
-    answers = (ProbeAnswer("a", 5, 2, ((0, 4),), 1), ProbeAnswer("b", 0, 0, ((2, 3),), 0))
-    sched._reports = [_report(0, 50, 0, answers, sliding=50), _report(1, 4, 9, answers, sliding=12)]
-    sched._spent = {"full": [0, spent], "sliding": [0, 8]}
-    assert sched._answers_hold() is holds
-    sched._spent = {"full": [0, 10], "sliding": [0, 9]}  # one page past the sliding pool's untouched ones
-    assert sched._answers_hold() is False
-    sched._spent = {"full": [0, 10], "sliding": [0, 8]}
-    sched._flushing = True  # a flush in flight drops what the probes matched
-    assert sched._answers_hold() is False
-    sched._reports = [replace(r, probes=()) for r in sched._reports]
-    assert sched._answers_hold() is True  # no answers to keep: only requests without a prefix are admitted
 
 
 def test_a_request_admitted_by_a_void_plan_waits_again_instead_of_failing():
@@ -189,12 +163,8 @@ def test_a_request_admitted_by_a_void_plan_waits_again_instead_of_failing():
     g.sched.max_num_seqs = 2
     for _ in range(3):
         g.run_step()
-    late = Request("late", [9, 9, 9, 9, 9, 9], SamplingParams(), 4)
+    late = Request("late", [9, 9, 9], SamplingParams(), 4)  # nothing to probe: admitted by a plan built ahead
     g.sched.add(late)
-    while not (g.ahead is not None and any(p.request_id == "late" for p in g.ahead.probes)):
-        g.run_step()
-        assert len(g.plans) < 20
-    g.run_step()  # the probing plan; the next one, built meanwhile, has no answers to admit with yet
     g.run_step(refuse={0: "injected"})  # refused: the plan built meanwhile, admitting `late`, is void
     assert g.ahead is not None and [a.request_id for a in g.ahead.admits] == ["late"] and late in g.sched.running
     g.run_step()

@@ -3,7 +3,8 @@
 Part of `Scheduler` (scheduler.py), kept in its own file so each stays readable: a waiting request is probed
 in one plan and admitted in a later one with the prefix every rank agreed on, if it fits on every rank; one
 whose prompt pages a running request is computing now is passed over, in place (prefix_sharing). A plan built
-ahead admits only from answers the step in flight cannot have made stale (`_answers_hold`).
+ahead (`report_step` None) uses no probe answers: a request with a prefix to agree on waits for a plan built from
+the reports that answer its probe.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event
 from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.kv.paging import POOL_FULL, POOL_SLIDING
-from lockstep.steps import Admit, Chunk, Probe, ProbeAnswer, Report
+from lockstep.steps import Admit, Chunk, Probe, ProbeAnswer
 
 
 class Admitting:
@@ -36,9 +36,6 @@ class Admitting:
     requests: dict[str, Request]
     _book: ProbeBook
     _events: list[Event]
-    _reports: list[Report]
-    _spent: dict[str, list[int]]
-    _flushing: bool
 
     def _probe_pages(self, req: Request) -> int:
         """Pages worth probing: full pages of its tokens, short of the last token that must be computed; none
@@ -50,7 +47,7 @@ class Admitting:
         control: AdmissionControl,
         batch: dict[str, Chunk],
         admits: list[Admit],
-        report_step: int,
+        report_step: int | None,
         flush: bool,
     ) -> None:
         for req in list(self.waiting):  # a request held for a prefix being computed is passed over, in place
@@ -66,9 +63,8 @@ class Admitting:
             agreed = 0
             ready = True
             if self._probe_pages(req) > 0 and not flush:
-                ready = self._book.waiting_on(req.request_id) == report_step and self._book.complete(
-                    req.request_id, self.ranks
-                )
+                ready = report_step is not None and self._book.waiting_on(req.request_id) == report_step \
+                    and self._book.complete(req.request_id, self.ranks)
                 if ready:
                     answers = self._book.answers(req.request_id, self.ranks)
                     agreed = agreed_prefix_pages(answers, req.num_tokens, self.page_size, self.window)
@@ -125,24 +121,9 @@ class Admitting:
                 probes.append(Probe(req.request_id, req.page_keys(pages, self.page_size, self.salt)))
         return probes
 
-    def _answers_hold(self) -> bool:
-        """Whether what the last reports' probes matched is still held when the plan after the one in flight pins
-        it. A probe makes the cached pages it matched the most recently used (`PagePool.probe`), so the plan in
-        flight evicts them only after every older cached page: it must flush no rank and take, in every pool of
-        every rank, no more than the free pages plus the evictable ones the probes did not touch. Else an
-        admission waits for its own reports."""
-        if not any(report.probes for report in self._reports):
-            return True
-        if self._flushing:
-            return False
-        for r, report in enumerate(self._reports):
-            touched = {POOL_FULL: sum(a.matched_pages - a.pinned_pages for a in report.probes),
-                       POOL_SLIDING: sum(b - a for p in report.probes for a, b in p.sliding_runs)
-                       - sum(p.sliding_pinned for p in report.probes)}
-            room = {p.pool: p.free + p.evictable - touched.get(p.pool, p.evictable) for p in report.pools}
-            if any(pages[r] > room.get(name, 0) for name, pages in self._spent.items()):
-                return False
-        return True
+    def _answers_coming(self, step: int) -> bool:
+        """Whether the reports of plan `step` answer a probe of a waiting request."""
+        return any(self._book.waiting_on(r.request_id) == step for r in self.waiting)
 
     def _unadmit(self, admits: Sequence[Admit]) -> None:
         """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""

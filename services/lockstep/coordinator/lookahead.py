@@ -3,9 +3,10 @@
 The plan in flight is known, its outcome is not: every request it samples for will hold one more token
 whose value only its report tells. A plan built ahead names that token as pending (Chunk.pending: each rank
 takes the token the sampling rank drew, shared once the group agreed to run the step) and counts pages as if
-step k took everything it may take and freed nothing. Here the running requests are carried on; admissions
-are the scheduler's (`Scheduler.plan_ahead`, only from probe answers step k cannot have made stale), and
-preemptions and rebalances (which need the ranks' latest counts) wait for a plan built from the reports. So
+step k took everything it may take and freed nothing. Here the running requests are carried on; probes and
+admissions with no prefix to pin are the scheduler's (`Scheduler.plan_ahead`), and prefix pins (whose answers
+must come from the step just before), preemptions and rebalances (which need the ranks' latest counts) wait
+for a plan built from the reports. So
 every decision is still made once, by the coordinator, from the reports of all ranks; a request that step k
 ends (a stop token, a cancellation) costs one wasted decode at most, whose token is never sent.
 """

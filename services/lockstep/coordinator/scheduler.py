@@ -15,8 +15,8 @@ Calling protocol (one group, one thread):
     events = scheduler.apply(reports)       # tokens, finishes, preemptions of step k
 
 Every plan must be carried out and applied before the next one is built from reports, except one built
-ahead: `plan_ahead(k + 1)` while plan k is in flight carries the running requests on (lookahead.py) and admits
-from probe answers plan k cannot have made stale; apply() takes the reports of the plans in flight in order.
+ahead: `plan_ahead(k + 1)` while plan k is in flight carries the running requests on (lookahead.py), probes, and
+admits what needs no probe answer; apply() takes the reports of the plans in flight in order.
 Events decided while planning are returned by the next apply().
 """
 
@@ -101,7 +101,6 @@ class Scheduler(Admitting):
         self._flight: deque[Plan] = deque()  # plans built and not applied yet, oldest first
         self._spent: dict[str, list[int]] = {}  # the pages the last plan takes, per pool and rank
         self._after_refusal = -1  # a plan built ahead of a step that was then refused: refused in turn
-        self._flushing = False  # the last plan sent flushes some rank's prefix cache
         self._applied: int | None = None
         self._reports: list[Report] = []  # the last applied reports, pools filled in
         self._refused_in_a_row = 0
@@ -232,24 +231,26 @@ class Scheduler(Admitting):
             batch=tuple(batch.values()),
             probes=tuple(probes),
         )
-        self._flushing = flush
         return self._sent(plan, spent)
 
     def plan_ahead(self, step: int) -> Plan | None:
         """Plan `step` while the plan before it is in flight (overlap), from the last applied reports and what
         that plan takes; None when the next plan must wait for its reports: some request cannot grow or scores
         its prompt, the group may rebalance at `step` (its rebalancer checks there), the plan in flight was not a
-        plain work step, or a request waits with a seat free and the last probe answers may not hold by `step`.
+        plain work step, or, with a seat free, that plan's reports answer a waiting request's probe (it is
+        admitted from them at once: an arrival costs the overlap one step, and its time to first token nothing).
 
-        Waiting requests are probed and admitted here too, so arrivals do not stop the overlap: a request probed
-        by the plan in flight is admitted one plan later, from the answers of its reports (`_answers_hold`)."""
+        A plan built ahead probes the waiting requests too, but pins nothing: probe answers say what a rank held
+        when it answered, and the step in flight may evict or flush it since. So it admits only requests with no
+        prefix to agree on (too short to probe, or no prefix caching); the others wait for a plan built from the
+        reports that answer their probe."""
         last = self._last_plan
         if (len(self._flight) != 1 or last.step + 1 != step or not last.batch or last.step == self._after_refusal
                 or not self._reports or self.rebalancer is not None and self.rebalancer.checks_at(step)
                 or any(r.scoring_prompt for r in self.running)):
             return None
         seats = self.waiting and len(self.running) < self.max_num_seqs
-        if seats and not self._answers_hold():
+        if seats and self._answers_coming(last.step):
             return None
         control = self._control(self._reports)
         control.charge(self._spent)
@@ -258,12 +259,11 @@ class Scheduler(Admitting):
             return None
         admits: list[Admit] = []
         if seats:
-            self._admit_waiting(control, batch, admits, self._reports[0].step, False)
+            self._admit_waiting(control, batch, admits, None, False)
         if not batch:
             return None
         probes = self._probes(step, batch, in_flight=last.step) if self.prefix_caching else []
         releases, self._releases = tuple(dict.fromkeys(self._releases)), []
-        self._flushing = False
         plan = Plan(step, releases=releases, admits=tuple(admits), batch=tuple(batch.values()), probes=tuple(probes))
         return self._sent(plan, control.spent())
 

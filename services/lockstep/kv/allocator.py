@@ -138,43 +138,28 @@ class PagePool:
         self.num_pages = num_pages
 
     def probe(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """(leading pages of the chain held, how many of those a live owner references).
+        """(leading pages of the chain held, how many of those a live owner references); changes nothing.
 
-        matched - pinned is how many pages pinning this prefix would take out of the evictable set. The
-        matched pages that are evictable become the most recently used (as SGLang's radix cache touches a
-        match), so the next steps evict every older cached page before them: a plan built ahead can tell
-        from the counts alone that they are still there when it pins them (`Scheduler._answers_hold`).
+        matched - pinned is how many pages pinning this prefix would take out of the evictable set.
         """
         pages = self._index.match(keys)
-        self._touch(pages[::-1])  # the head newest: a page is useless once the page before it is gone
         return len(pages), sum(1 for p in pages if self._refs[p])
-
-    def _touch(self, pages: Sequence[int]) -> None:
-        """The evictable ones among `pages` become the most recently used, the last one newest."""
-        evictable = self._evictable
-        for page in pages:
-            if page in evictable:
-                evictable.move_to_end(page)
 
     def holding(self, keys: Sequence[bytes]) -> tuple[tuple[tuple[int, int], ...], int]:
         """(runs [a, b) of the keys' positions whose pages the index holds, how many of those a live owner
-        references); the evictable ones among them are touched, as by `probe`, but the last newest (a window
-        needs the latest pages). Unlike `probe`, it looks past a gap: a sliding pool keeps a window's pages
-        after the pages before them are gone."""
+        references); changes nothing. Unlike `probe`, it looks past a gap: a sliding pool keeps a window's
+        pages after the pages before them are gone."""
         runs: list[tuple[int, int]] = []
         pinned = 0
-        found = []
         for i, key in enumerate(keys):
             page = self._index.page_of(key)
             if page is None:
                 continue
-            found.append(page)
             pinned += self._refs[page] > 0
             if runs and runs[-1][1] == i:
                 runs[-1] = (runs[-1][0], i + 1)
             else:
                 runs.append((i, i + 1))
-        self._touch(found)
         return tuple(runs), pinned
 
     def pin(self, owner: str, keys: Sequence[bytes]) -> list[int]:
