@@ -30,7 +30,8 @@ def reference(q, k_cache, v_cache, table, start, n, window, scale, page_size):
     return out
 
 
-def run_case(spans, heads, kv_heads, window, page_size=4, d=8, seed=0):
+def run_case(spans, heads, kv_heads, window, page_size=4, d=8, seed=0, seen=None):
+    """`seen(span, table)`: the table as the batch gets it (the reference reads the whole one)."""
     gen = torch.Generator().manual_seed(seed)
     pages = sum(math.ceil((s + n) / page_size) for s, n in spans) + 3
     perm = torch.randperm(pages - 1, generator=gen).add(1).tolist()  # page 0 is never a sequence's
@@ -40,7 +41,8 @@ def run_case(spans, heads, kv_heads, window, page_size=4, d=8, seed=0):
     tables = [[perm.pop() for _ in range(math.ceil((s + n) / page_size))] for s, n in spans]
     total = sum(n for _, n in spans)
     q = torch.randn(total, heads, d, generator=gen)
-    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, tables, strict=True)], page_size,
+    given = [t if seen is None else seen(span, t) for span, t in zip(spans, tables, strict=True)]
+    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, given, strict=True)], page_size,
                                  window=window)
     got = paged_attention(q, k_cache, v_cache, batch, window, 0.3)
     a = 0
@@ -94,29 +96,13 @@ def test_a_very_long_sequence_gets_its_own_group():
 def test_pages_a_window_has_left_may_be_gone(window):
     """RankCache gives -1 for the pages a sliding window moved past (they went back to the pool): the batch
     and its gathers must never read them, for decodes and prefill chunks alike."""
-    page_size, heads, kv_heads, d = 4, 4, 2, 8
     spans = [(s, 1) for s in (3, 17, 40, 26, 9)] + [(12, 6), (0, 5)]
-    gen = torch.Generator().manual_seed(7)
-    pages = sum(math.ceil((s + n) / page_size) for s, n in spans) + 1
-    k_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
-    v_cache = torch.randn(pages, page_size, kv_heads, d, generator=gen)
-    tables, at = [], 1
-    for s, n in spans:
-        count = math.ceil((s + n) / page_size)
-        tables.append(list(range(at, at + count)))
-        at += count
-    gone = [[-1 if p < max(0, s + 1 - window) // page_size else t for p, t in enumerate(table)]
-            for (s, _), table in zip(spans, tables, strict=True)]
-    q = torch.randn(sum(n for _, n in spans), heads, d, generator=gen)
-    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, gone, strict=True)], page_size,
-                                 window=window)
+
+    def gone(span, table):
+        return [-1 if p < max(0, span[0] + 1 - window) // 4 else t for p, t in enumerate(table)]
+
+    batch = run_case(spans, 4, 2, window, seen=gone)
     assert all(int(g.pages.min()) >= 0 for g in batch.single_gathers(window))
-    got = paged_attention(q, k_cache, v_cache, batch, window, 0.3)
-    a = 0
-    for (s, n), t in zip(spans, tables, strict=True):
-        want = reference(q[a: a + n], k_cache, v_cache, t, s, n, window, 0.3, page_size)
-        torch.testing.assert_close(got[a: a + n], want, atol=TOL, rtol=TOL)
-        a += n
 
 
 def test_length_groups_cover_every_sequence_once_longest_first():
