@@ -174,3 +174,16 @@ def test_a_request_admitted_by_a_void_plan_waits_again_instead_of_failing():
     assert reqs[0].generated == reference(reqs[0])
     for r in g.ranks:
         r.assert_idle()
+
+
+def test_the_arrivals_script_runs_and_every_request_gets_its_reference_tokens():
+    """scripts/overlap_arrivals.py, whose numbers the overlap's notes quote: it must not rot."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "overlap_arrivals.py"
+    proc = subprocess.run([sys.executable, str(script), "--requests", "12"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("steps planned ahead") == 4
