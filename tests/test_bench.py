@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from lockstep import local_group
 from lockstep.bench.command import main
 from lockstep.bench.report import percentile
-from lockstep.bench.workload import make_workload
+from lockstep.bench.workload import make_workload, poisson_arrivals
 from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
 
@@ -96,6 +97,10 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--tiny", "--dtype", "float64"])
     assert "--dtype" in capsys.readouterr().err
+    for bad in ("0", "-2", "nan", "fast"):
+        with pytest.raises(SystemExit):
+            main(["--tiny", "--request-rate", bad])
+        assert "request rate must be a number > 0" in capsys.readouterr().err
 
 
 def test_workload_is_deterministic_and_in_range():
@@ -105,6 +110,32 @@ def test_workload_is_deterministic_and_in_range():
     lengths = [len(p) for p in a.prompts]
     assert all(7 <= n <= 40 for n in lengths) and len(set(lengths)) > 1
     assert all(3 <= t < 100 for p in a.prompts for t in p)
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    """--request-rate as vLLM's benchmark_serving has it: exponential gaps at the rate, the same for a seed."""
+    times = poisson_arrivals(4000, 20.0, seed=1)
+    assert times == poisson_arrivals(4000, 20.0, seed=1) != poisson_arrivals(4000, 20.0, seed=2)
+    gaps = [b - a for a, b in zip((0.0, *times), times, strict=False)]
+    assert all(g > 0 for g in gaps) and abs(sum(gaps) / len(gaps) - 1 / 20.0) < 0.005
+    assert sum(g > 1 / 20.0 for g in gaps) / len(gaps) == pytest.approx(math.exp(-1), abs=0.03)  # P(gap > mean)
+    assert poisson_arrivals(5, math.inf) == () and make_workload(3, 1, 2, 1, 1, vocab=9).arrivals == ()
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="request rate"):
+            poisson_arrivals(3, bad)
+
+
+def test_a_request_rate_holds_each_request_back_until_it_arrives(tmp_path):
+    """4 requests at 1/s arrive over 7.5 s; unheld, both runs take well under a second on the tiny model."""
+    out = tmp_path / "bench.json"
+    rc = main(["--tiny", "--tp", "1", "--requests", "4", "--concurrency", "4", "--max-tokens", "4", "--max-prompt",
+               "20", "--warmup", "0", "--request-rate", "1", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    last = poisson_arrivals(4, 1.0, 0)[-1]
+    assert report["workload"]["request_rate"] == 1.0
+    for run in report["runs"]:
+        assert run["completed"] == 4 and last <= run["wall_s"] < last + 30, run
 
 
 def test_percentile_interpolates():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -54,6 +55,16 @@ def _temperature(text: str) -> float:
 _non_negative = _int_at_least(0)
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"the request rate must be a number > 0 (or inf), got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc, epilog=CONTROL_PLANE_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-prompt", type=_positive, default=16)
     p.add_argument("--max-prompt", type=_positive, default=256)
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="requests per second, arriving as a Poisson process (seeded by --seed; inf, the default: "
+                        "all at once); --concurrency still caps how many are in flight")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature of every request (0: greedy; above, request i is seeded with i, so "
                         "both runs draw the same tokens)")
@@ -147,7 +161,7 @@ def _bench(argv: list[str]) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
-                                 args.concurrency, vocab, args.seed, args.temperature)
+                                 args.concurrency, vocab, args.seed, args.temperature, args.request_rate)
         if args.url:
             return _external(args, model_dir, workload)
         log_dir = args.log_dir or scratch / "logs"
@@ -161,8 +175,7 @@ def _bench(argv: list[str]) -> int:
         report = {
             "command": "lockstep bench " + " ".join(argv),
             "model": "tiny" if args.tiny else str(model_dir),
-            "workload": {"requests": args.requests, "min_prompt": args.min_prompt, "max_prompt": args.max_prompt,
-                         "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed},
+            "workload": _workload_json(args),
             "config": asdict(cfg),
             "cpus": os.cpu_count(),
             "runs": runs,
@@ -175,6 +188,12 @@ def _bench(argv: list[str]) -> int:
         return 0 if all(r["completed"] == r["requests"] for r in runs) else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _workload_json(args: argparse.Namespace) -> dict:
+    return {"requests": args.requests, "min_prompt": args.min_prompt, "max_prompt": args.max_prompt,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed,
+            "request_rate": None if math.isinf(args.request_rate) else args.request_rate}
 
 
 def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
@@ -193,7 +212,7 @@ def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
         print(f"lockstep bench: {exc}", file=sys.stderr)
         return 2
     runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup,
-                         sampling=lambda i: sampling_of(workload, i)) for t in targets]
+                         sampling=lambda i: sampling_of(workload, i), wait_for=workload.wait_for) for t in targets]
     print(format_runs(runs))
     for run in runs:
         for error in run.errors[:3]:

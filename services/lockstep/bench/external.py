@@ -108,9 +108,10 @@ def stream_one(target: Target, conn: http.client.HTTPConnection, prompt: str, ma
 
 
 def run_external(target: Target, prompts: list[str], max_tokens: int, concurrency: int, warmup: int = 2,
-                 timeout_s: float = 600.0, sampling: Callable[[int], dict] | None = None) -> ExternalRun:
+                 timeout_s: float = 600.0, sampling: Callable[[int], dict] | None = None,
+                 wait_for: Callable[[int, float], None] | None = None) -> ExternalRun:
     """`concurrency` client threads, each with its own keep-alive connection, stream the prompts in order;
-    request i with `sampling(i)`'s fields (greedy when None)."""
+    request i with `sampling(i)`'s fields (greedy when None), not before `wait_for(i, start)` returns."""
     run = ExternalRun(target.url)
     for prompt in prompts[:warmup]:
         conn = target.connection(timeout_s)
@@ -129,6 +130,8 @@ def run_external(target: Target, prompts: list[str], max_tokens: int, concurrenc
                     i = next(todo, None)
                 if i is None:
                     return
+                if wait_for is not None:
+                    wait_for(i, start)
                 t0 = time.perf_counter()
                 try:
                     ttft, gaps, tokens, text = stream_one(target, conn, prompts[i], max_tokens,
@@ -149,7 +152,7 @@ def run_external(target: Target, prompts: list[str], max_tokens: int, concurrenc
             conn.close()
 
     threads = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
-    start = time.perf_counter()
+    start = time.perf_counter()  # read by the clients, which start below
     for t in threads:
         t.start()
     for t in threads:

@@ -29,6 +29,8 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
 
         def drive(on_finish) -> None:
             while scheduler.has_work():
+                if on_finish is not None:
+                    submit()  # what arrived meanwhile (with a request rate)
                 t0 = time.perf_counter()
                 plan = scheduler.plan(state["step"], state["reports"])
                 t1 = time.perf_counter()
@@ -57,7 +59,7 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
         live: dict[str, tuple[int, Request, float]] = {}
 
         def submit() -> None:
-            while pending and len(live) < workload.concurrency:
+            while pending and len(live) < workload.concurrency and workload.arrived(pending[0][0], t_start):
                 i, prompt = pending.popleft()
                 req = Request(f"bench-{i}", prompt, SamplingParams(**sampling_of(workload, i)), workload.max_tokens)
                 scheduler.add(req)
@@ -75,5 +77,9 @@ def run_in_process(model_dir: Path, workload: Workload, cfg: BenchConfig) -> Run
         t_start = time.perf_counter()
         submit()
         drive(on_finish)
+        while pending:  # idle until the next arrival (with a request rate)
+            workload.wait_for(pending[0][0], t_start)
+            submit()
+            drive(on_finish)
         result.wall_s = time.perf_counter() - t_start
     return result

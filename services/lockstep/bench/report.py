@@ -93,7 +93,8 @@ def format_table(report: dict) -> str:
     w = report["workload"]
     lines = [
         f"lockstep bench: {w['requests']} requests, prompts {w['min_prompt']}-{w['max_prompt']} tokens, "
-        f"{w['max_tokens']} output tokens, concurrency {w['concurrency']}, TP {report['config']['tp']}",
+        f"{w['max_tokens']} output tokens, concurrency {w['concurrency']}, TP {report['config']['tp']}"
+        + (f", {w['request_rate']:g} requests/s (Poisson)" if w.get("request_rate") else ""),
         f"{'':34}" + "".join(f"{r['name']:>14}" for r in runs),
     ]
 

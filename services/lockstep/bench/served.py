@@ -129,8 +129,10 @@ def _warm_up(group: ServedGroup, workload: Workload, n: int) -> None:
         t.join()
 
 
-def _client(group: ServedGroup, workload: Workload, todo, lock: threading.Lock, result: RunResult) -> None:
-    """One client with its own keep-alive connection: send the next request when the last is answered."""
+def _client(group: ServedGroup, workload: Workload, todo, lock: threading.Lock, result: RunResult,
+            start: float) -> None:
+    """One client with its own keep-alive connection: send the next request when the last is answered (and it
+    has arrived, with a request rate)."""
     conn = http.client.HTTPConnection("127.0.0.1", group.port, timeout=600)
     try:
         while True:
@@ -138,6 +140,7 @@ def _client(group: ServedGroup, workload: Workload, todo, lock: threading.Lock, 
                 i = next(todo, None)
             if i is None:
                 return
+            workload.wait_for(i, start)
             t0 = time.perf_counter()
             try:
                 status, body = group.request("POST", "/v1/completions",
@@ -164,9 +167,9 @@ def run_served(model_dir: Path, workload: Workload, cfg: BenchConfig, log_dir: P
         _, since = group.step_log()
         todo = iter(range(len(workload.prompts)))
         lock = threading.Lock()
-        clients = [threading.Thread(target=_client, args=(group, workload, todo, lock, result))
-                   for _ in range(min(workload.concurrency, len(workload.prompts)))]
         t_start = time.perf_counter()
+        clients = [threading.Thread(target=_client, args=(group, workload, todo, lock, result, t_start))
+                   for _ in range(min(workload.concurrency, len(workload.prompts)))]
         for t in clients:
             t.start()
         for t in clients:
