@@ -187,3 +187,29 @@ def test_the_arrivals_script_runs_and_every_request_gets_its_reference_tokens():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("steps planned ahead") == 4
+
+
+def test_a_plan_built_ahead_always_carries_a_running_request_on():
+    """A plan built ahead with admissions only would run even when the step before it was refused (the ranks
+    refuse a plan built ahead of a refused step by its pending tokens and chunk starts): none is built."""
+    g, reqs = _decode_group(1, 2)
+    g.sched.max_num_seqs = 2
+    built = []
+    plan_ahead = g.sched.plan_ahead
+
+    def recording(step):
+        plan = plan_ahead(step)
+        built.append(plan)
+        return plan
+
+    g.sched.plan_ahead = recording
+    g.run_step()  # an empty plan: no reports yet
+    g.run_step()  # admits r0, whose one decode, its last token, is then built ahead
+    late = Request("late", [9, 9, 9], SamplingParams(), 4)  # nothing to probe: admissible ahead
+    g.sched.add(late)  # while the plan in flight samples r0's last token: only `late` is left to plan
+    g.run()
+    admitted_only = [p for p in built
+                     if p is not None and {c.request_id for c in p.batch} <= {a.request_id for a in p.admits}]
+    assert not admitted_only
+    assert late.generated == reference(late)
+    assert reqs[0].generated == reference(reqs[0])

@@ -255,13 +255,11 @@ class Scheduler(Admitting):
         control = self._control(self._reports)
         control.charge(self._spent)
         batch = chunks_ahead(self.running, last, control)
-        if batch is None:
+        if not batch:  # carrying nothing on, it would not be refused with a refused step in flight: wait
             return None
         admits: list[Admit] = []
         if seats:
             self._admit_waiting(control, batch, admits, None, False)
-        if not batch:
-            return None
         probes = self._probes(step, batch, in_flight=last.step) if self.prefix_caching else []
         releases, self._releases = tuple(dict.fromkeys(self._releases)), []
         plan = Plan(step, releases=releases, admits=tuple(admits), batch=tuple(batch.values()), probes=tuple(probes))
