@@ -28,7 +28,7 @@ from lockstep.device import pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
-from lockstep.kv.paging import POOL_SLIDING
+from lockstep.kv.paging import POOL_SLIDING, pool_window
 from lockstep.kv.rank_cache import RankCache, StepRefused
 from lockstep.model.attention import AttentionBatch
 from lockstep.model.config import ModelConfig
@@ -215,12 +215,9 @@ class Engine:
         return ids, {
             name: AttentionBatch.build(
                 [(c.start, len(c.token_ids), self.cache.table(c.request_id, name)) for c in batch],
-                self.cache.page_size, self.device, self.window_of(name))
+                self.cache.page_size, self.device, pool_window(name, self.cache.window))
             for name in self.cache.pools
         }
-
-    def window_of(self, pool: str) -> int | None:
-        return self.cache.window if pool == POOL_SLIDING else None
 
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         ids, attn = self._inputs(batch)

@@ -32,7 +32,7 @@ import torch
 from lockstep.engine import Engine, sample_seed
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
-from lockstep.kv.paging import POOL_FULL
+from lockstep.kv.paging import POOL_FULL, pool_window
 from lockstep.kv.rank_cache import RankCache
 from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
@@ -108,7 +108,7 @@ class NoopForwardEngine(Engine):
         _, attn = self._inputs(batch)  # the forward's inputs, built as for a model: the host's share of a step
         for name, pool_batch in attn.items():
             if pool_batch.single_seqs:
-                pool_batch.single_gathers(self.window_of(name))
+                pool_batch.single_gathers(pool_window(name, self.cache.window))
         sampled = tuple(Sampled(c.request_id, self._draw(c, c.sample_index)) for c in batch if c.sample)
         for chunk in batch:
             self.cache.advance(chunk)

@@ -19,7 +19,7 @@ from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event
 from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.steps import Admit, Chunk, Probe, ProbeAnswer
+from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer
 
 
 class Admitting:
@@ -121,9 +121,12 @@ class Admitting:
                 probes.append(Probe(req.request_id, req.page_keys(pages, self.page_size, self.salt)))
         return probes
 
-    def _answers_coming(self, step: int) -> bool:
-        """Whether the reports of plan `step` answer a probe of a waiting request."""
-        return any(self._book.waiting_on(r.request_id) == step for r in self.waiting)
+    def _answers_coming(self, plan: Plan) -> bool:
+        """Whether the reports of `plan` answer a probe of a request still waiting (from its probes: the queue
+        may be long, and this is asked every step)."""
+        waiting = RequestStatus.WAITING
+        return any((req := self.requests.get(p.request_id)) is not None and req.status is waiting
+                   for p in plan.probes)
 
     def _unadmit(self, admits: Sequence[Admit]) -> None:
         """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""

@@ -6,9 +6,9 @@ takes the token the sampling rank drew, shared once the group agreed to run the 
 step k took everything it may take and freed nothing. Here the running requests are carried on; probes and
 admissions with no prefix to pin are the scheduler's (`Scheduler.plan_ahead`), and prefix pins (whose answers
 must come from the step just before), preemptions and rebalances (which need the ranks' latest counts) wait
-for a plan built from the reports. So
-every decision is still made once, by the coordinator, from the reports of all ranks; a request that step k
-ends (a stop token, a cancellation) costs one wasted decode at most, whose token is never sent.
+for a plan built from the reports. So every decision is still made once, by the coordinator, from the reports
+of all ranks; a request that step k ends (a stop token, a cancellation) costs one wasted decode at most, whose
+token is never sent.
 """
 
 from __future__ import annotations

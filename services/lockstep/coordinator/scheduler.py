@@ -250,7 +250,7 @@ class Scheduler(Admitting):
                 or any(r.scoring_prompt for r in self.running)):
             return None
         seats = self.waiting and len(self.running) < self.max_num_seqs
-        if seats and self._answers_coming(last.step):
+        if seats and self._answers_coming(last):
             return None
         control = self._control(self._reports)
         control.charge(self._spent)

@@ -249,7 +249,7 @@ class _SingleGather:
         rows_t = None if whole else flat[at:at + n]
         at += len(rows)
         masked = [w for a, b, w in spans if b - a > 1]  # a group of one needs no mask: it is sliced exactly
-        mask = torch.empty(0, dtype=torch.bool)
+        mask = None
         if masked:  # as wide as the widest such group (a very long sequence is usually a group of its own)
             slots = torch.arange(max(masked) * batch.page_size, device=flat.device)
             mask = slots < flat[at + n:at + 2 * n].unsqueeze(1)
