@@ -17,7 +17,8 @@ from lockstep.coordinator.generation import GenerateSpec, TokenEvent
 from lockstep.coordinator.metrics import LATENCY_BUCKETS, Metrics
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.request import FinishReason
-from lockstep.coordinator.service import Coordinator, RequestEvents, forget_group_series
+from lockstep.coordinator.request_events import RequestEvents
+from lockstep.coordinator.service import Coordinator, forget_group_series
 from lockstep.steps import SamplingParams
 
 ITL = "lockstep_inter_token_latency_seconds"

@@ -64,7 +64,8 @@ def test_rank_and_coordinator_share_only_the_protocol():
 
 
 def test_protocol_stubs_are_imported_only_at_the_edges():
-    edges = {"wire.py", "rank/service.py", "coordinator/rank_link.py", "coordinator/grpc_api.py"}
+    edges = {"wire.py", "rank/service.py", "coordinator/rank_link.py", "coordinator/grpc_api.py",
+             "coordinator/frontend_wire.py", "coordinator/frontend_link.py", "coordinator/remote.py"}
     for path in _sources():
         rel = str(path.relative_to(SERVICES)) if path.is_relative_to(SERVICES) else str(path)
         if any(m.startswith("lockstep.proto_gen") for m in _imports(path)):

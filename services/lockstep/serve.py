@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.coordinator.auth import parse_api_keys
-from lockstep.coordinator.config import API_KEY_HELP, REBALANCE, SCHEDULING, CoordinatorConfig
+from lockstep.coordinator.config import API_KEY_HELP, FRONTENDS, REBALANCE, SCHEDULING, CoordinatorConfig
 from lockstep.engine_config import DTYPE
 from lockstep.local_group import free_port
 from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
                    help="testing knob: give one rank a different KV pool size (GROUP: 0..dp-1, default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / (TP x DP))")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, (DP, DTYPE, *SCHEDULING, *REBALANCE))
+    add_settings(p, (DP, DTYPE, *SCHEDULING, *FRONTENDS, *REBALANCE))
     args = p.parse_args(argv)
-    for name, value in resolve(p, args, (DP, DTYPE, *SCHEDULING, *REBALANCE),
+    for name, value in resolve(p, args, (DP, DTYPE, *SCHEDULING, *FRONTENDS, *REBALANCE),
                                os.environ if env is None else env).items():
         setattr(args, name, value)
     try:
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
 
 def coordinator_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The coordinator's own settings as `lockstep serve` read them, so that every flag `lockstep coordinator`
-    takes (scheduling, rebalance) means the same here and none is dropped on the way."""
-    return {s.dest: getattr(args, s.dest) for s in SCHEDULING + REBALANCE}
+    takes (scheduling, API frontends, rebalance) means the same here and none is dropped on the way."""
+    return {s.dest: getattr(args, s.dest) for s in SCHEDULING + FRONTENDS + REBALANCE}
 
 
 def _rank_pages(items: list[str], dp: int = 1) -> dict[tuple[int, int], int]:

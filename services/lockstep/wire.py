@@ -187,7 +187,7 @@ def _batch_to_proto(msg: pb.PlanMsg, batch: tuple[Chunk, ...]) -> None:
     b.sample.extend(samples)
     b.sample_index.extend(indexes)
     b.sampling.extend(refs)
-    msg.samplings.extend([_sampling_bytes(s) for s in table])
+    msg.samplings.extend([sampling_bytes(s) for s in table])
 
 
 _SAMPLING_SENT: dict[SamplingParams, bytes] = {}
@@ -195,7 +195,7 @@ _SAMPLING_SEEN: dict[bytes, SamplingParams] = {}
 _SAMPLING_CACHE_MAX = 1 << 14  # distinct parameters: about one per request held
 
 
-def _sampling_bytes(s: SamplingParams) -> bytes:
+def sampling_bytes(s: SamplingParams) -> bytes:
     """The serialized SamplingParamsMsg: built once per distinct parameters (a request keeps its own, seed and
     all, for its whole life), not once per step."""
     found = _SAMPLING_SENT.get(s)
@@ -214,7 +214,7 @@ def _sampling_bytes(s: SamplingParams) -> bytes:
     return found
 
 
-def _sampling_from_proto(raw: bytes) -> SamplingParams:
+def sampling_from_bytes(raw: bytes) -> SamplingParams:
     """A plan's sampling parameters from their serialized message, built once per distinct bytes."""
     found = _SAMPLING_SEEN.get(raw)
     if found is None:
@@ -244,7 +244,7 @@ def _sampling_from_proto(raw: bytes) -> SamplingParams:
 def _batch_from_proto(msg: pb.PlanMsg) -> tuple[Chunk, ...]:
     """The chunks of BatchMsg's columns (the per-chunk checks follow in `_check_plan`)."""
     rids, counts, tokens, starts, samples, indexes, refs = _columns(msg)
-    samplings = [_sampling_from_proto(s) for s in msg.samplings] or [SamplingParams()]
+    samplings = [sampling_from_bytes(s) for s in msg.samplings] or [SamplingParams()]
     if refs and not 0 <= min(refs) <= max(refs) < len(samplings):
         raise WireError(f"plan {msg.step} batch: sampling references {min(refs)}..{max(refs)} outside the plan's "
                         f"{len(samplings)} sampling parameters")

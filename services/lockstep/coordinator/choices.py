@@ -20,6 +20,7 @@ from lockstep.coordinator.generation import (
     GenerateSpec,
     TextPiece,
     TokenEvent,
+    settled,
     text_stream,
 )
 
@@ -76,7 +77,7 @@ async def open_choices(frontend: Frontend, request_id: str, spec: GenerateSpec) 
     events: list[AsyncGenerator[TokenEvent, None]] = []
     try:
         for rid, one in zip(choice_ids(request_id, len(specs)), specs, strict=True):
-            events.append(frontend.generate(rid, one))
+            events.append(await settled(frontend.generate(rid, one)))
     except BaseException:
         for ev in events:
             await ev.aclose()

@@ -47,6 +47,7 @@ class CoordinatorConfig:
     rebalance_min_samples: int = 2000
     rebalance_threshold: float = 1.25
     shutdown_grace: float = 5.0  # seconds the requests in flight get on Ctrl-C / SIGTERM
+    api_workers: int = 0  # HTTP API frontend processes (api_workers.py); 0: the API runs in the coordinator's loop
     max_logprobs: int = 20  # the most logprobs/top_logprobs/prompt_logprobs a request may ask (vLLM's --max-logprobs)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys of the HTTP and gRPC APIs; none: open
     rank_auth: RankClientAuth = field(default_factory=RankClientAuth)  # group token and TLS towards the ranks
@@ -58,6 +59,8 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if type(self.api_workers) is not int or not 0 <= self.api_workers <= 64:
+            raise ValueError(f"api_workers must be an integer in [0, 64], got {self.api_workers!r}")
         if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
             raise ValueError("stall_threshold and dead_rank_timeout must be > 0 and replay_timeout >= 0")
         if self.routing not in ROUTING_POLICIES:
@@ -114,6 +117,13 @@ SCHEDULING = (
     Setting("routing", "--routing", "LOCKSTEP_ROUTING", parse_policy, "prefix",
             "which group a new request goes to: 'prefix' (the group last sent its longest prefix, unless that "
             "group is far busier than the least loaded) or 'least-loaded'"),
+)
+# Where the HTTP API runs; the coordinator and `lockstep serve` take it.
+FRONTENDS = (
+    Setting("api_workers", "--api-workers", "LOCKSTEP_API_WORKERS", integer, 0,
+            "serve the HTTP API from this many frontend processes sharing its port, each fed one message per "
+            "step by the coordinator (vLLM's --api-server-count); 0: from the coordinator's own event loop",
+            within(0, 64)),
 )
 # The rebalance of a hybrid model's KV split (DESIGN.md "Rebalance agreement"); the coordinator and
 # `lockstep serve` take these, the ranks never (they carry out the split the plan names).
@@ -178,9 +188,9 @@ def parse_config(argv: list[str] | None, env: Mapping[str, str] | None = None) -
                         "added start, groups gone have their requests moved to the others first (env "
                         "LOCKSTEP_GROUPS_FILE; instead of --group)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY", help=API_KEY_HELP)
-    add_settings(p, SETTINGS + SCHEDULING + REBALANCE + RANK_AUTH_SETTINGS)
+    add_settings(p, SETTINGS + SCHEDULING + FRONTENDS + REBALANCE + RANK_AUTH_SETTINGS)
     args = p.parse_args(argv)
-    values = resolve(p, args, SETTINGS + SCHEDULING + REBALANCE, env)
+    values = resolve(p, args, SETTINGS + SCHEDULING + FRONTENDS + REBALANCE, env)
     try:
         values["api_keys"] = parse_api_keys(args.api_key, env.get("LOCKSTEP_API_KEY", ""))
         values["rank_auth"] = client_auth(resolve(p, args, RANK_AUTH_SETTINGS, env), env)

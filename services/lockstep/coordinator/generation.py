@@ -9,17 +9,20 @@ and every rule here is tested without a server.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from lockstep.coordinator.endings import StopReason, prompt_only, stop_after, stop_reason
 from lockstep.coordinator.request import FinishReason
 from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
+
+T = TypeVar("T")
 
 # The documented range of every request field (docs/commands.md and /openapi.json quote these).
 MAX_STOP_STRINGS = 4
@@ -96,7 +99,9 @@ class ServedModel(Protocol):
 
 
 class Frontend(ServedModel, Protocol):
-    """What both APIs need from the coordinator."""
+    """What both APIs need from the coordinator. In process (service.Coordinator) every answer is at hand; an
+    API frontend process's (remote.RemoteCoordinator) comes over the link, so any of them may be awaitable
+    (`settled`), except `healthy`, which a frontend answers from its last `health_detail`."""
 
     def generate(self, request_id: str, spec: GenerateSpec) -> AsyncGenerator[TokenEvent, None]:
         """Queue the request at once (raising ApiError if it cannot be) and return its events; closing
@@ -114,6 +119,11 @@ class Frontend(ServedModel, Protocol):
 
     def resume(self, group: str) -> dict:
         """Route to the group again (KeyError: no such group)."""
+
+
+async def settled(answer: T | Awaitable[T]) -> T:
+    """A frontend's answer: as it is in process, awaited when it comes over the link."""
+    return await answer if inspect.isawaitable(answer) else answer
 
 
 # ----- request fields

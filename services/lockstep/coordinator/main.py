@@ -10,6 +10,9 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
+from lockstep.coordinator.api_workers import ApiWorkers
 from lockstep.coordinator.config import CoordinatorConfig, parse_config
 from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
@@ -108,8 +111,12 @@ async def run(
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
-    api = OpenAIServer(coord, config.api_keys)
-    runner = await run_app(api.app(), config.host, config.http_port, grace)
+    if config.api_workers:
+        model_dir = resolve_model(config.model, progress)
+        runner: web.AppRunner | ApiWorkers = await ApiWorkers.start(coord, config, model_dir)
+        progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
+    else:
+        runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace)
     grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
     if not config.api_keys:
         progress("no API key set (--api-key / LOCKSTEP_API_KEY): /v1/* and /admin/* are open to anyone who "

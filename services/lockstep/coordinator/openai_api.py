@@ -25,6 +25,7 @@ from lockstep.coordinator.generation import (
     build_spec,
     check_model,
     json_field,
+    settled,
 )
 from lockstep.coordinator.openai_fields import (
     MAX_BODY_BYTES,
@@ -194,12 +195,12 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 while some group can serve, 503 otherwise; the body says which group is how."""
-        detail = self.frontend.health_detail()
+        detail = await settled(self.frontend.health_detail())
         return web.json_response(detail, status=200 if self.frontend.healthy() else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text."""
-        return web.Response(body=self.frontend.metrics_text(),
+        return web.Response(body=await settled(self.frontend.metrics_text()),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -236,7 +237,7 @@ class OpenAIServer:
         group = request.query.get("group")
         since = _query_int(request, "since", 0) or 0
         try:
-            return web.json_response(self.frontend.step_log(group, since))
+            return web.json_response(await settled(self.frontend.step_log(group, since)))
         except KeyError as exc:
             raise ApiError(404, f"there is no group {group!r}" if group is not None else "there is no group",
                            "group", "group_not_found", "NotFoundError") from exc
@@ -258,7 +259,7 @@ class OpenAIServer:
         """POST /admin/resume?group=G: G takes new requests again."""
         group = _group_query(request)
         try:
-            return web.json_response(self.frontend.resume(group))
+            return web.json_response(await settled(self.frontend.resume(group)))
         except KeyError as exc:
             raise ApiError(404, f"there is no group {group!r}", "group", "group_not_found", "NotFoundError") from exc
 
@@ -294,12 +295,12 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
 
 
 async def run_app(app: web.Application, host: str, port: int,
-                  shutdown_grace: float = SHUTDOWN_GRACE_S) -> web.AppRunner:
+                  shutdown_grace: float = SHUTDOWN_GRACE_S, reuse_port: bool = False) -> web.AppRunner:
     """Serve the app (no access log: /metrics is scraped every few seconds).
 
     `runner.cleanup()` stops listening at once, then gives the requests in flight `shutdown_grace`
     seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long)."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     return runner

@@ -25,6 +25,7 @@ from lockstep.coordinator.metrics import GroupHistogram, Metrics
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
+from lockstep.coordinator.request_events import EventSink, RequestEvents
 from lockstep.coordinator.routing import GroupLoad, PrefixRouter, Route, RoutingPolicy
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.page_keys import key_salt, page_keys
@@ -41,44 +42,11 @@ class _Live:
 
     request: Request
     group: str
-    queue: Outbox[TokenEvent]
+    queue: EventSink
     arrived: float
     prompt_tokens: int
     last_token_at: float | None = None
     expected_hit_tokens: int = 0  # what routing expected the group to skip; settled at the first token
-
-
-class RequestEvents:
-    """One request's events for its client. Closing it early (even before the first event: a client gone
-    between `generate` and its first read) aborts the request and frees its pages; an async generator
-    would skip its cleanup when closed before it started."""
-
-    def __init__(self, coordinator: Coordinator, request_id: str) -> None:
-        self._coordinator = coordinator
-        self._request_id = request_id
-        self._queue = coordinator.live[request_id].queue
-        self._done = False
-
-    def __aiter__(self) -> RequestEvents:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            ev: TokenEvent = await self._queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if ev.finish_reason is not None or ev.error:
-            self._done = True
-            self._coordinator._end(self._request_id, finished=True)
-        return ev
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._coordinator._end(self._request_id, finished=False)
 
 
 class Coordinator:
@@ -346,6 +314,13 @@ class Coordinator:
     def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         """Queue the request now (so a refusal is an HTTP status, not an error inside a stream) and
         return its events; closing the iterator early aborts it and frees its pages."""
+        queue: Outbox[TokenEvent] = Outbox()
+        self.submit(request_id, spec, queue)
+        return RequestEvents(self, request_id, queue)
+
+    def submit(self, request_id: str, spec: GenerateSpec, queue: EventSink) -> None:
+        """Queue the request now, or raise ApiError; its events go to `queue` (a frontend link's, or the
+        Outbox that `generate` reads). Whoever holds the queue ends the request with `_end`."""
         if request_id in self.live:
             raise ApiError(409, f"request id {request_id!r} is already running", "request_id",
                            "request_id_in_use")
@@ -368,11 +343,10 @@ class Coordinator:
         group.submit(request)
         expected = 0 if request.scoring_prompt or not self.config.prefix_caching else \
             route.expected_hit_tokens(len(spec.prompt_ids), self.config.page_size)
-        self.live[request_id] = _Live(request, group.name, Outbox(), time.monotonic(), len(spec.prompt_ids),
+        self.live[request_id] = _Live(request, group.name, queue, time.monotonic(), len(spec.prompt_ids),
                                       expected_hit_tokens=expected)
         self.metrics.routing_decisions.labels(group.name, route.reason).inc()
         self.router.record(keys, group.name)
-        return RequestEvents(self, request_id)
 
     def _end(self, request_id: str, finished: bool) -> None:
         """The client's side of a request is over: forget it, and abort it unless it finished."""

@@ -1,0 +1,159 @@
+"""The coordinator's end of the frontend link: requests from API frontend processes, one message per step back.
+
+With `--api-workers N` the HTTP API runs in N frontend processes (remote.py). Their requests are queued here
+exactly as the in-process API's are (`Coordinator.submit`), but a request's events go to its frontend's
+`_Link` instead of an Outbox read by an HTTP task: the step's dispatch appends them to the link's list, and
+one callback after the dispatch sends the whole list as one columnar message. What stays on the coordinator's
+event loop per streamed token is an append and three column entries; parsing, detokenizing, stop strings,
+JSON and the socket writes run in the frontends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from lockstep.coordinator.frontend_wire import answer_of, events_to_proto, spec_from_proto
+from lockstep.coordinator.generation import ApiError, TokenEvent
+from lockstep.coordinator.service import Coordinator
+from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
+from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
+from lockstep.wire import WireError
+
+log = logging.getLogger("lockstep.link")
+
+
+class _Link:
+    """One frontend's requests and the events bound for it."""
+
+    def __init__(self, coordinator: Coordinator, link_id: str) -> None:
+        self.coordinator = coordinator
+        self.link_id = link_id
+        self.requests: set[str] = set()  # submitted, not ended
+        self.out: asyncio.Queue[fpb.StepEventsMsg] = asyncio.Queue()
+        self._pending: list[tuple[str, TokenEvent]] = []
+
+    def add(self, request_id: str, ev: TokenEvent) -> None:
+        if not self._pending:  # the first event of this dispatch: send them all once it is over
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((request_id, ev))
+
+    def _flush(self) -> None:
+        events, self._pending = self._pending, []
+        for rid, ev in events:
+            if (ev.finish_reason is not None or ev.error) and rid in self.requests:
+                self.requests.discard(rid)
+                self.coordinator._end(rid, finished=True)
+        self.out.put_nowait(events_to_proto(events))
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.requests.discard(request_id)
+            self.coordinator._end(request_id, finished=False)
+
+    def close(self) -> None:
+        """The frontend is gone: every request it has not seen end is aborted, its pages freed."""
+        for rid in list(self.requests):
+            self.cancel(rid)
+
+
+class _LinkQueue:
+    """A request's event sink: its frontend's link (in place of the Outbox an in-process client reads)."""
+
+    __slots__ = ("link", "request_id")
+
+    def __init__(self, link: _Link, request_id: str) -> None:
+        self.link, self.request_id = link, request_id
+
+    def put(self, item: TokenEvent) -> None:
+        self.link.add(self.request_id, item)
+
+
+class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.links: dict[str, _Link] = {}
+
+    async def Events(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[fpb.StepEventsMsg]:
+        if not request.link_id or request.link_id in self.links:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"link id {request.link_id!r} is empty or in use")
+        link = self.links[request.link_id] = _Link(self.coordinator, request.link_id)
+        log.info("frontend %s linked", request.link_id)
+        try:
+            yield fpb.StepEventsMsg()  # linked: the frontend submits only after this
+            while True:
+                yield await link.out.get()
+        finally:
+            del self.links[request.link_id]
+            log.info("frontend %s unlinked: %d request(s) of it aborted", request.link_id, len(link.requests))
+            link.close()
+
+    async def Submit(self, request: fpb.SubmitMsg, context: grpc.aio.ServicerContext) -> fpb.SubmitAnswer:
+        link = self.links.get(request.link_id)
+        if link is None:
+            return answer_of(ApiError(503, "the frontend's link to the coordinator is not open; retry",
+                                      err_type="service_unavailable"))
+        try:
+            spec = spec_from_proto(request)
+            self.coordinator.submit(request.request_id, spec, _LinkQueue(link, request.request_id))
+        except WireError as exc:
+            return answer_of(ApiError(400, str(exc)))
+        except ApiError as exc:
+            return answer_of(exc)
+        link.requests.add(request.request_id)
+        return answer_of(None)
+
+    async def Cancel(self, request: fpb.CancelMsg, context: grpc.aio.ServicerContext) -> fpb.Empty:
+        link = self.links.get(request.link_id)
+        if link is not None:
+            link.cancel(request.request_id)
+        return fpb.Empty()
+
+    async def Describe(self, request: fpb.Empty, context: grpc.aio.ServicerContext) -> fpb.Description:
+        c = self.coordinator
+        return fpb.Description(model_name=c.model_name, max_model_len=c.max_model_len, max_logprobs=c.max_logprobs)
+
+    async def Health(self, request: fpb.Empty, context: grpc.aio.ServicerContext) -> fpb.JsonAnswer:
+        detail = self.coordinator.health_detail()
+        return fpb.JsonAnswer(status=200 if self.coordinator.healthy() else 503, json=json.dumps(detail))
+
+    async def Metrics(self, request: fpb.Empty, context: grpc.aio.ServicerContext) -> fpb.MetricsAnswer:
+        return fpb.MetricsAnswer(text=self.coordinator.metrics_text())
+
+    async def Admin(self, request: fpb.AdminCall, context: grpc.aio.ServicerContext) -> fpb.JsonAnswer:
+        """An /admin route's answer; KeyError (no such group) is a 404, ValueError (a bad rank) a 400."""
+        c = self.coordinator
+        try:
+            if request.name == "reset_prefix_cache":
+                await c.reset_prefix_cache(request.rank if request.HasField("rank") else None)
+                out: dict = {}
+            elif request.name == "step_log":
+                out = c.step_log(request.group or None, request.since)
+            elif request.name == "drain":
+                out = await c.drain(request.group, request.migrate)
+            elif request.name == "resume":
+                out = c.resume(request.group)
+            else:
+                return fpb.JsonAnswer(status=400, json=json.dumps(f"no admin call {request.name!r}"))
+        except KeyError as exc:
+            return fpb.JsonAnswer(status=404, json=json.dumps(str(exc)))
+        except ValueError as exc:
+            return fpb.JsonAnswer(status=400, json=json.dumps(str(exc)))
+        return fpb.JsonAnswer(status=200, json=json.dumps(out))
+
+
+async def start_link(coordinator: Coordinator, address: str) -> tuple[grpc.aio.Server, FrontendLinkServicer]:
+    """Serve the link at `address` (a `unix:` path in a directory only this user can enter: the frontends are
+    this deployment's own processes, and the link carries no API key)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    servicer = FrontendLinkServicer(coordinator)
+    frontend_pb2_grpc.add_FrontendLinkServicer_to_server(servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    return server, servicer

@@ -1,0 +1,205 @@
+"""An API frontend process: the OpenAI HTTP API in front of a coordinator in another process.
+
+`lockstep serve --api-workers N` (and the coordinator's `--api-workers`) start N of these on the HTTP port
+(SO_REUSEPORT: the kernel spreads connections over them). Each holds one link to the coordinator
+(frontend_link.py): a request is submitted with one call (a refusal is an HTTP status, as in process), its
+tokens come back in the one message per step the link sends, and everything per token (detokenizing, stop
+strings, JSON, the socket write) runs here. `RemoteCoordinator` is the `Frontend` the HTTP app is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+
+import grpc
+
+from lockstep.coordinator.auth import parse_api_keys
+from lockstep.coordinator.frontend_wire import error_of, events_from_proto, spec_to_proto
+from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
+from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, OpenAIServer, run_app
+from lockstep.coordinator.outbox import Outbox
+from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
+from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
+from lockstep.tokenizer import Tokenizer
+
+log = logging.getLogger("lockstep.frontend")
+_GONE = "the coordinator is gone (its link to this API frontend closed)"
+
+
+class RemoteEvents:
+    """One request's events from the link; closing it before the end aborts the request (a Cancel call)."""
+
+    def __init__(self, remote: RemoteCoordinator, request_id: str, box: Outbox[TokenEvent]) -> None:
+        self._remote, self._request_id, self._box = remote, request_id, box
+        self._done = False
+
+    def __aiter__(self) -> RemoteEvents:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ev: TokenEvent = await self._box.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if ev.finish_reason is not None or ev.error:
+            self._done = True
+            self._remote.boxes.pop(self._request_id, None)
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._remote.cancel(self._request_id)
+
+
+class RemoteCoordinator:
+    """The coordinator, as the HTTP app sees it, over the frontend link."""
+
+    def __init__(self, address: str, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.link_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = frontend_pb2_grpc.FrontendLinkStub(self.channel)
+        self.boxes: dict[str, Outbox[TokenEvent]] = {}
+        self.model_name, self.max_model_len, self.max_logprobs = "", 0, 0
+        self._healthy = False
+        self._events: grpc.aio.UnaryStreamCall | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def connect(self, timeout_s: float) -> None:
+        """Learn what is served and open the link (the coordinator may still be starting: wait for it)."""
+        await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
+        desc = await self.stub.Describe(fpb.Empty())
+        self.model_name, self.max_model_len, self.max_logprobs = desc.model_name, desc.max_model_len, desc.max_logprobs
+        self._events = self.stub.Events(fpb.LinkHello(link_id=self.link_id))
+        await asyncio.wait_for(self._events.read(), timeout_s)  # the empty first message: the link is open
+
+    async def pump(self) -> None:
+        """Hand each step's events to their requests until the link closes; then every open request ends with
+        an error (the coordinator that held it is gone) and this returns."""
+        assert self._events is not None
+        try:
+            while (msg := await self._events.read()) is not grpc.aio.EOF:
+                for rid, ev in events_from_proto(msg):
+                    box = self.boxes.get(rid)
+                    if box is not None:
+                        box.put(ev)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("the link to the coordinator closed: %s", exc.details())
+        for box in self.boxes.values():
+            box.put(TokenEvent(None, None, error=_GONE))
+        self.boxes.clear()
+
+    async def generate(self, request_id: str, spec: GenerateSpec) -> RemoteEvents:
+        box: Outbox[TokenEvent] = Outbox()
+        self.boxes[request_id] = box  # before the call: the first events may come before its answer
+        try:
+            answer = await self.stub.Submit(spec_to_proto(self.link_id, request_id, spec))
+        except BaseException as exc:
+            self.boxes.pop(request_id, None)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise ApiError(503, f"{_GONE}: {exc.details()}", err_type="service_unavailable") from exc
+            raise
+        if not answer.ok:
+            self.boxes.pop(request_id, None)
+            raise error_of(answer)
+        return RemoteEvents(self, request_id, box)
+
+    def cancel(self, request_id: str) -> None:
+        if self.boxes.pop(request_id, None) is not None:
+            task = asyncio.ensure_future(self._cancel(request_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.stub.Cancel(fpb.CancelMsg(link_id=self.link_id, request_id=request_id))
+
+    def healthy(self) -> bool:
+        """As of the last health_detail (the HTTP app asks that first)."""
+        return self._healthy
+
+    async def health_detail(self) -> dict:
+        try:
+            answer = await self.stub.Health(fpb.Empty())
+        except grpc.aio.AioRpcError as exc:
+            self._healthy = False
+            return {"coordinator": _GONE + f": {exc.details()}"}
+        self._healthy = answer.status == 200
+        return json.loads(answer.json)
+
+    async def metrics_text(self) -> bytes:
+        return (await self.stub.Metrics(fpb.Empty())).text
+
+    async def _admin(self, **call) -> dict:
+        answer = await self.stub.Admin(fpb.AdminCall(**call))
+        body = json.loads(answer.json)
+        if answer.status == 404:
+            raise KeyError(body)
+        if answer.status != 200:
+            raise ValueError(body)
+        return body
+
+    async def reset_prefix_cache(self, rank: int | None) -> None:
+        await self._admin(name="reset_prefix_cache", **({} if rank is None else {"rank": rank}))
+
+    async def step_log(self, group: str | None, since: int) -> dict:
+        return await self._admin(name="step_log", group=group or "", since=since)
+
+    async def drain(self, group: str, migrate: bool = False) -> dict:
+        return await self._admin(name="drain", group=group, migrate=migrate)
+
+    async def resume(self, group: str) -> dict:
+        return await self._admin(name="resume", group=group)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def serve_frontend(link: str, model_dir: str, host: str, port: int, api_keys: tuple[str, ...],
+                         grace: float = SHUTDOWN_GRACE_S, connect_timeout_s: float = 600.0) -> int:
+    """Serve the HTTP API until SIGTERM / SIGINT or until the link closes (the coordinator stopped): exit 0 for
+    a signal, 1 for a lost link, so whoever started this can tell the two apart."""
+    remote = RemoteCoordinator(link, Tokenizer.from_dir(model_dir))
+    await remote.connect(connect_timeout_s)
+    runner = await run_app(OpenAIServer(remote, api_keys).app(), host, port, grace, reuse_port=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    pump = asyncio.ensure_future(remote.pump())
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({pump, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    await runner.cleanup()
+    pump.cancel()
+    waiter.cancel()
+    await remote.close()
+    return 0 if stop.is_set() else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="One API frontend of a Lockstep coordinator (started by it).")
+    p.add_argument("--link", required=True, help="the coordinator's frontend link (unix:PATH)")
+    p.add_argument("--model", required=True, help="the model directory (its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = parse_api_keys([], os.environ.get("LOCKSTEP_API_KEY", ""))
+    return asyncio.run(serve_frontend(args.link, args.model, args.host, args.port, keys, args.shutdown_grace))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""A request's events between the coordinator's step loop and whoever serves its client.
+
+The step loop puts every event into the request's `EventSink` without waiting: an `Outbox` that an HTTP or gRPC
+handler in the coordinator's process reads through `RequestEvents`, or a frontend link's queue
+(frontend_link.py) that batches a step's events for an API frontend process.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from lockstep.coordinator.generation import TokenEvent
+from lockstep.coordinator.outbox import Outbox
+
+
+class EventSink(Protocol):
+    """Where a request's events go: put never blocks (the step loop calls it for every token)."""
+
+    def put(self, item: TokenEvent) -> None: ...
+
+
+class Ending(Protocol):
+    """The coordinator, as a request's reader ends it."""
+
+    def _end(self, request_id: str, finished: bool) -> None: ...
+
+
+class RequestEvents:
+    """One request's events for its client. Closing it early (even before the first event: a client gone
+    between `generate` and its first read) aborts the request and frees its pages; an async generator
+    would skip its cleanup when closed before it started."""
+
+    def __init__(self, coordinator: Ending, request_id: str, queue: Outbox[TokenEvent]) -> None:
+        self._coordinator = coordinator
+        self._request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestEvents:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ev: TokenEvent = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if ev.finish_reason is not None or ev.error:
+            self._done = True
+            self._coordinator._end(self._request_id, finished=True)
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._coordinator._end(self._request_id, finished=False)

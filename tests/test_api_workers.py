@@ -1,0 +1,363 @@
+"""API frontend processes (`--api-workers`): the link's messages, the HTTP API served over a real link (gRPC on
+a unix socket) from a coordinator stand-in, and `lockstep serve --api-workers 2` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import time
+
+import aiohttp
+import psutil
+import pytest
+
+from cluster import http
+from lockstep.coordinator import frontend_link
+from lockstep.coordinator.frontend_link import start_link
+from lockstep.coordinator.frontend_wire import (
+    answer_of,
+    error_of,
+    events_from_proto,
+    events_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
+from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
+from lockstep.coordinator.openai_api import OpenAIServer, run_app
+from lockstep.coordinator.remote import RemoteCoordinator
+from lockstep.coordinator.request import FinishReason
+from lockstep.local_group import free_port
+from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
+from lockstep.steps import SamplingParams, TokenLogprobs
+from lockstep.wire import WireError
+from test_generation import TOK, tid
+from test_serve import _serving, _wait_healthy
+
+WORD = tid("Hello")
+
+
+def test_a_spec_crosses_the_link_whole():
+    spec = GenerateSpec([5, 6, 7], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=-3, logprobs=2,
+                                                  repetition_penalty=1.2, logit_bias={9: -3.0}, min_tokens=2,
+                                                  stop_token_ids=(0,)),
+                        40, ["\n\n", "END"], [0, 11], True, False, 1, True, True)
+    msg = fpb.SubmitMsg.FromString(spec_to_proto("link", "r1", spec).SerializeToString())
+    assert (msg.link_id, msg.request_id) == ("link", "r1")
+    assert spec_from_proto(msg) == spec
+    with pytest.raises(WireError, match="no request id"):
+        spec_from_proto(spec_to_proto("link", "", spec))
+
+
+def test_a_steps_events_cross_the_link_as_columns_with_extras_only_where_needed():
+    lp = TokenLogprobs(-0.5, ((3, -0.5), (4, -1.5)))
+    events = [("a", TokenEvent(7, None, 16)), ("b", TokenEvent(8, None, 0, logprobs=lp)),
+              ("c", TokenEvent(None, FinishReason.LENGTH, 4)), ("d", TokenEvent(None, None, 0, "no group", 400)),
+              ("e", TokenEvent(9, None, 0, prompt_logprobs=[TokenLogprobs(-1.0, ((9, -1.0),), 1),
+                                                            TokenLogprobs(-2.0, (), 7)])),
+              ("f", TokenEvent(10, None, 0, prompt_logprobs=[]))]
+    msg = events_to_proto(events)
+    assert sorted(x.index for x in msg.extras) == [1, 2, 3, 4, 5]  # a plain token is three column entries
+    assert events_from_proto(fpb.StepEventsMsg.FromString(msg.SerializeToString())) == events
+
+
+@pytest.mark.parametrize("broken, message", [
+    (fpb.StepEventsMsg(request_ids=["a", "b"], token_ids=[1], cached_tokens=[0, 0]), "2 request ids, 1 tokens"),
+    (fpb.StepEventsMsg(request_ids=["a"], token_ids=[1], cached_tokens=[0], extras=[fpb.EventExtrasMsg(index=1)]),
+     "extras for event 1 of 1"),
+    (fpb.StepEventsMsg(request_ids=["a"], token_ids=[1], cached_tokens=[0],
+                       extras=[fpb.EventExtrasMsg(index=0, finish_reason="bored")]), "unknown finish reason"),
+])
+def test_a_malformed_step_message_is_a_wire_error(broken, message):
+    with pytest.raises(WireError, match=message):
+        events_from_proto(broken)
+
+
+def test_a_refusal_crosses_the_link_as_the_same_api_error():
+    err = error_of(fpb.SubmitAnswer.FromString(answer_of(ApiError(
+        503, "overloaded", None, "server_overloaded", "service_unavailable", 2.5)).SerializeToString()))
+    assert (err.status, err.message, err.param, err.code, err.err_type) == (
+        503, "overloaded", None, "server_overloaded", "service_unavailable")
+    assert err.headers() == {"Retry-After": "3"} and answer_of(None).ok
+    assert error_of(answer_of(ApiError(400, "no", "max_tokens"))).headers() == {}
+
+
+class TickingCoordinator:
+    """The coordinator's side of the link, without groups: every live request gets one token per tick."""
+
+    model_name, max_model_len, max_logprobs = "tiny", 1 << 16, 5
+
+    def __init__(self) -> None:
+        self.live: dict[str, list] = {}
+        self.ended: list[tuple[str, bool]] = []
+        self.refuse: ApiError | None = None
+        self.up = True
+        self.ticks = 0
+
+    def submit(self, request_id: str, spec: GenerateSpec, queue) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.live[request_id] = [queue, spec.max_tokens, 0]
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        self.ended.append((request_id, finished))
+        self.live.pop(request_id, None)
+
+    def tick(self) -> None:
+        self.ticks += 1
+        for state in list(self.live.values()):
+            state[2] += 1
+            state[0].put(TokenEvent(WORD, FinishReason.LENGTH if state[2] >= state[1] else None))
+
+    def healthy(self) -> bool:
+        return self.up
+
+    def health_detail(self) -> dict:
+        return {"g0": {"up": self.up}}
+
+    def metrics_text(self) -> bytes:
+        return b"lockstep_up 1\n"
+
+    async def reset_prefix_cache(self, rank: int | None) -> None:
+        if rank is not None and rank > 1:
+            raise ValueError(f"rank {rank} is not in the group")
+
+    def step_log(self, group: str | None, since: int) -> dict:
+        if group not in (None, "g0"):
+            raise KeyError(group)
+        return {"group": "g0", "steps": [], "next": since}
+
+    def resume(self, group: str) -> dict:
+        return self.step_log(group, 0)
+
+    async def drain(self, group: str, migrate: bool = False) -> dict:
+        return self.step_log(group, 0)
+
+
+@contextlib.asynccontextmanager
+async def _linked(tmp_path, coordinator: TickingCoordinator):
+    """The link server around `coordinator`, one frontend (RemoteCoordinator) with its HTTP app, a ticker."""
+    address = f"unix:{tmp_path}/link.sock"
+    server, servicer = await start_link(coordinator, address)
+    remote = RemoteCoordinator(address, TOK)
+    await remote.connect(10)
+    pump = asyncio.ensure_future(remote.pump())
+    port = free_port()
+    runner = await run_app(OpenAIServer(remote).app(), "127.0.0.1", port, 1.0)
+
+    async def ticking() -> None:
+        while True:
+            await asyncio.sleep(0.005)
+            coordinator.tick()
+
+    ticker = asyncio.ensure_future(ticking())
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield servicer, remote, pump, session, f"http://127.0.0.1:{port}", server
+    finally:
+        ticker.cancel()
+        await runner.cleanup()
+        pump.cancel()
+        await remote.close()
+        await server.stop(0)
+
+
+async def _eventually(check, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+def _stream_body(max_tokens: int) -> dict:
+    return {"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True}
+
+
+async def _chunks(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    out: list[dict | str] = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            text = line[6:].strip().decode()
+            out.append(text if text == "[DONE]" else json.loads(text))
+    return out
+
+
+def test_every_token_comes_through_a_frontend_and_a_step_is_one_message(tmp_path, monkeypatch):
+    """8 streams at once: every token arrives in order, each request ends once (as finished) on the coordinator,
+    and the link sends one message per tick with every live request's token in it."""
+    sizes: list[int] = []
+    real = frontend_link.events_to_proto
+    monkeypatch.setattr(frontend_link, "events_to_proto", lambda events: (sizes.append(len(events)), real(events))[1])
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, session, url, _):
+            async def one() -> list:
+                async with session.post(url + "/v1/completions", json=_stream_body(6)) as resp:
+                    assert resp.status == 200
+                    return await _chunks(resp)
+
+            got = await asyncio.gather(*(one() for _ in range(8)))
+            for chunks in got:
+                assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello" * 6
+                assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1] == "[DONE]"
+            await _eventually(lambda: len(coord.ended) == 8)
+            assert all(finished for _, finished in coord.ended) and not remote.boxes
+            assert not next(iter(servicer.links.values())).requests
+
+    asyncio.run(main())
+    assert max(sizes) == 8 and len(sizes) <= coord.ticks  # a tick's tokens of all 8 streams: one message
+
+
+def test_a_refusal_is_an_http_status_before_any_stream(tmp_path):
+    coord = TickingCoordinator()
+    coord.refuse = ApiError(503, "the server is overloaded", code="server_overloaded", err_type="service_unavailable")
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, session, url, _):
+            async with session.post(url + "/v1/completions", json=_stream_body(4)) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "5"
+                assert (await resp.json())["error"]["code"] == "server_overloaded"
+            assert not remote.boxes and not next(iter(servicer.links.values())).requests
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_mid_stream_aborts_its_request_on_the_coordinator(tmp_path):
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, session, url, _):
+            async with session.post(url + "/v1/completions", json=_stream_body(10_000)) as resp:
+                await resp.content.readline()
+                resp.close()  # hang up
+            await _eventually(lambda: len(coord.ended) == 1)
+            assert coord.ended[0][1] is False and not coord.live and not remote.boxes
+            assert not next(iter(servicer.links.values())).requests
+
+    asyncio.run(main())
+
+
+def test_a_frontend_gone_aborts_every_request_it_holds(tmp_path):
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, session, url, _):
+            streams = [asyncio.ensure_future(session.post(url + "/v1/completions", json=_stream_body(10_000)))
+                       for _ in range(3)]
+            await _eventually(lambda: len(coord.live) == 3)
+            await remote.channel.close()  # the frontend process's end of the link, as when it dies
+            await _eventually(lambda: len(coord.ended) == 3 and not servicer.links)
+            assert not any(finished for _, finished in coord.ended) and not coord.live
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_coordinator_gone_ends_the_open_streams_with_an_error_event(tmp_path):
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (_, remote, pump, session, url, server):
+            async with session.post(url + "/v1/completions", json=_stream_body(10_000)) as resp:
+                await resp.content.readline()
+                await server.stop(0)
+                chunks = await asyncio.wait_for(_chunks(resp), 10)
+            assert "coordinator is gone" in chunks[-2]["error"]["message"] and chunks[-1] == "[DONE]"
+            await asyncio.wait_for(pump, 5)
+            assert not remote.boxes
+
+    asyncio.run(main())
+
+
+def test_health_metrics_and_admin_answers_come_from_the_coordinator(tmp_path):
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (_, _, _, session, url, _):
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 200 and await resp.json() == {"g0": {"up": True}}
+            coord.up = False
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 503 and await resp.json() == {"g0": {"up": False}}
+            async with session.get(url + "/metrics") as resp:
+                assert await resp.text() == "lockstep_up 1\n"
+            async with session.get(url + "/admin/steps?group=g9") as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == "group_not_found"
+            async with session.get(url + "/admin/steps?group=g0&since=3") as resp:
+                assert await resp.json() == {"group": "g0", "steps": [], "next": 3}
+            async with session.post(url + "/admin/reset_prefix_cache?rank=5") as resp:
+                assert resp.status == 400 and "rank 5 is not in the group" in (await resp.json())["error"]["message"]
+            async with session.post(url + "/admin/reset_prefix_cache?rank=1") as resp:
+                assert resp.status == 200
+            async with session.post(url + "/admin/resume?group=g1") as resp:
+                assert resp.status == 404
+            async with session.get(url + "/v1/models") as resp:
+                assert (await resp.json())["data"][0]["id"] == "tiny"
+
+    asyncio.run(main())
+
+
+def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_frontend_that_dies(
+        tiny_llama, tmp_path):
+    """Two frontend processes share the HTTP port: greedy answers through them equal the coordinator's own gRPC
+    API's (served in its process); a frontend killed mid-stream has its request aborted (its pages freed) and is
+    started again; SIGINT stops every process."""
+    import grpc
+
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
+
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1", "--tp", "1",
+                  "--api-workers", "2") as (proc, port, log):
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, port, log)
+
+        def frontends() -> list[psutil.Process]:
+            found = []
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # one killed a moment ago: gone, or not reaped yet
+                    if "lockstep.coordinator.remote" in " ".join(p.cmdline()):
+                        found.append(p)
+            return found
+
+        assert len(frontends()) == 2
+        prompt = list(range(5, 25))
+        with grpc.insecure_channel(f"127.0.0.1:{port + 1}") as channel:
+            want = inference_pb2_grpc.InferenceServiceStub(channel).Complete(
+                ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=prompt), max_tokens=12, temperature=0,
+                                    ignore_eos=True, return_token_ids=True), timeout=60)
+        assert len(want.token_ids) == 12
+        for _ in range(4):  # connections spread over both frontends; each answers alike
+            status, body = http("POST", url + "/v1/completions", {"prompt": prompt, "max_tokens": 12,
+                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert status == 200 and body["choices"][0]["token_ids"] == list(want.token_ids), body
+        stream = subprocess.Popen(["curl", "-sN", url + "/v1/completions", "-H", "content-type: application/json",
+                                   "-d", json.dumps({**_stream_body(400), "ignore_eos": True})],
+                                  stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while 'lockstep_requests{group="g0",state="running"} 1.0' not in http("GET", url + "/metrics")[1]:
+                assert time.monotonic() < deadline, "the stream never ran"
+                time.sleep(0.05)
+            # the one holding the stream, whichever the kernel gave the connection
+            (victim,) = [p for p in frontends() if any(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                                                       for c in p.net_connections())]
+            victim.kill()
+            deadline = time.monotonic() + 60
+            while not (len(frontends()) == 2 and victim not in frontends()
+                       and 'lockstep_requests{group="g0",state="running"} 0.0' in http("GET", url + "/metrics")[1]):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        finally:
+            stream.kill()
+        assert "API frontend 0" in log.read_text() or "API frontend 1" in log.read_text()
+        everyone = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) in (0, 130)
+        _, alive = psutil.wait_procs(everyone, timeout=15)
+        assert not alive, "processes outlived lockstep serve"
