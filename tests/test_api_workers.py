@@ -240,6 +240,31 @@ def test_a_client_gone_mid_stream_aborts_its_request_on_the_coordinator(tmp_path
     asyncio.run(main())
 
 
+def test_a_request_cancelled_while_it_is_submitted_is_aborted_once_it_is_queued(tmp_path, monkeypatch):
+    """The frontend's handler is cancelled (its server stops) while the coordinator still queues the request:
+    the request must not run on with nobody to read it."""
+    coord = TickingCoordinator()
+    submit = frontend_link.FrontendLinkServicer.Submit
+
+    async def slow_submit(self, request, context):
+        await asyncio.sleep(0.3)
+        return await submit(self, request, context)
+
+    monkeypatch.setattr(frontend_link.FrontendLinkServicer, "Submit", slow_submit)
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, _, _, _):
+            task = asyncio.ensure_future(remote.generate("r1", GenerateSpec([1, 2], SamplingParams(), 10_000)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _eventually(lambda: coord.ended == [("r1", False)])
+            assert not coord.live and not remote.boxes and not next(iter(servicer.links.values())).requests
+
+    asyncio.run(main())
+
+
 def test_a_frontend_gone_aborts_every_request_it_holds(tmp_path):
     coord = TickingCoordinator()
 

@@ -104,6 +104,8 @@ BAD_SPECS = [
     ({"kvCache": {"pageSize": 0}}, "pageSize"),
     ({"coordinator": {"serviceType": "Ingress"}}, "serviceType"),
     ({"coordinator": {"httpPort": 70000}}, "httpPort"),
+    ({"coordinator": {"apiWorkers": 65}}, "apiWorkers"),
+    ({"coordinator": {"apiWorkers": -1}}, "apiWorkers"),
     ({"agreement": {"stallThresholdSeconds": 0}}, "stallThresholdSeconds"),
     ({"imagePullPolicy": "Sometimes"}, "imagePullPolicy"),
     ({"tensorParalelSize": 2}, "tensorParalelSize"),

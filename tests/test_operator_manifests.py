@@ -135,6 +135,7 @@ def test_coordinator_is_told_every_rank() -> None:
     # a directory mount: the kubelet never updates a subPath mount, so the coordinator would not see a change
     assert {"name": m.GROUPS_VOLUME, "mountPath": m.GROUPS_MOUNT, "readOnly": True} in c["volumeMounts"]
     assert env["LOCKSTEP_HTTP_PORT"] == "8000" and env["LOCKSTEP_GRPC_PORT"] == "8001"
+    assert env["LOCKSTEP_API_WORKERS"] == "0"
     assert env["LOCKSTEP_STALL_THRESHOLD_SECONDS"] == "5"
     assert env["LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS"] == "30"
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -308,6 +309,15 @@ def test_mutual_tls_and_a_server_name() -> None:
     assert env["LOCKSTEP_RANK_TLS_CERT"] == f"{m.TLS_MOUNT}/tls.crt"
     assert env["LOCKSTEP_RANK_TLS_KEY"] == f"{m.TLS_MOUNT}/tls.key"
     assert env["LOCKSTEP_RANK_TLS_SERVER_NAME"] == "lockstep-rank"
+
+
+def test_api_workers_reach_the_coordinator_as_its_own_setting() -> None:
+    from lockstep.coordinator.config import parse_config
+
+    spec = normalize({"coordinator": {"apiWorkers": 3}})
+    c = m.coordinator_deployment("demo", "ml", spec)["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v for k, v in env_of(c).items() if "TOKEN" not in k}  # the mounted token file is not here
+    assert parse_config([], {**env, "LOCKSTEP_GROUPS_FILE": "", "LOCKSTEP_GROUPS": "g0=a:1"}).api_workers == 3
 
 
 def test_tls_env_names_are_the_services_own_settings() -> None:

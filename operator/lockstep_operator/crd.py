@@ -196,6 +196,9 @@ def _runtime_schemas() -> dict[str, Schema]:
                 "serviceType": _str(default="ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]),
                 "httpPort": _int(1, 65535, 8000),
                 "grpcPort": _int(1, 65535, 8001),
+                "apiWorkers": _int(0, 64, 0, "HTTP API frontend processes in the coordinator's pod, sharing its "
+                                   "port and fed one message per step (vLLM's --api-server-count); 0: the API runs "
+                                   "on the coordinator's own event loop. Give the pod a CPU per frontend."),
                 "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
                                         "Coordinator resources (it runs no model)."),
             },

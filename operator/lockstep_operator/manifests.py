@@ -161,8 +161,7 @@ def rebalance_env(spec: dict[str, Any]) -> dict[str, str]:
     """The coordinator's --rebalance-* settings from `kvCache.rebalance`.
 
     The coordinator alone decides a rebalance (the ranks carry out the split its plan names), so only its
-    container gets these: on a rank they would be dead settings that roll every group when changed.
-    """
+    container gets these: on a rank they would be dead settings that roll every group when changed."""
     rebalance = spec["kvCache"]["rebalance"]
     return {
         "LOCKSTEP_REBALANCE_ENABLED": "1" if rebalance["enabled"] else "0",
@@ -350,6 +349,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "LOCKSTEP_HOST": "0.0.0.0",
         "LOCKSTEP_HTTP_PORT": str(coord["httpPort"]),
         "LOCKSTEP_GRPC_PORT": str(coord["grpcPort"]),
+        "LOCKSTEP_API_WORKERS": str(coord["apiWorkers"]),
         "LOCKSTEP_MAX_BATCHED_TOKENS": str(spec["scheduler"]["maxNumBatchedTokens"]),
         "LOCKSTEP_MAX_NUM_SEQS": str(spec["scheduler"]["maxNumSeqs"]),
         "LOCKSTEP_STALL_THRESHOLD_SECONDS": str(spec["agreement"]["stallThresholdSeconds"]),

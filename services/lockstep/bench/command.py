@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--api-workers", type=_non_negative, default=0,
+                   help="the served run's coordinator serves HTTP from this many frontend processes (--api-workers)")
     add_settings(p, (DTYPE,))
     p.add_argument("--warmup", type=_non_negative, default=2, help="requests run before measuring")
     p.add_argument("--only", choices=("served", "in-process"), help="run one side only")
@@ -159,7 +161,8 @@ def _bench(argv: list[str]) -> int:
             return 2
         cfg = BenchConfig(tp=args.tp, page_size=args.page_size, kv_pages=args.kv_pages,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype)
+                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,
+                          api_workers=args.api_workers)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
                                  args.concurrency, vocab, args.seed, args.temperature, args.request_rate)
         if args.url:

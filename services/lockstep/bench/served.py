@@ -42,6 +42,8 @@ class ServedGroup:
                 "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-num-seqs", str(cfg.max_num_seqs)]
             if not cfg.prefix_caching:
                 coordinator.append("--no-prefix-caching")
+            if cfg.api_workers:
+                coordinator += ["--api-workers", str(cfg.api_workers)]
             self._spawn("coordinator", coordinator, env)
             self._wait_healthy()
         except BaseException:

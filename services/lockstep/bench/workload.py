@@ -20,6 +20,7 @@ class BenchConfig:
     prefix_caching: bool = True
     warmup: int = 2
     dtype: str = "auto"  # the ranks' weights and KV (`--dtype`), in both runs
+    api_workers: int = 0  # the served run's HTTP API frontend processes (`--api-workers`); 0: in the coordinator
     startup_timeout_s: float = 300.0
 
 

@@ -26,41 +26,13 @@ from lockstep.coordinator.frontend_wire import error_of, events_from_proto, spec
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, OpenAIServer, run_app
 from lockstep.coordinator.outbox import Outbox
+from lockstep.coordinator.request_events import RequestEvents
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
 from lockstep.tokenizer import Tokenizer
 
 log = logging.getLogger("lockstep.frontend")
 _GONE = "the coordinator is gone (its link to this API frontend closed)"
-
-
-class RemoteEvents:
-    """One request's events from the link; closing it before the end aborts the request (a Cancel call)."""
-
-    def __init__(self, remote: RemoteCoordinator, request_id: str, box: Outbox[TokenEvent]) -> None:
-        self._remote, self._request_id, self._box = remote, request_id, box
-        self._done = False
-
-    def __aiter__(self) -> RemoteEvents:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            ev: TokenEvent = await self._box.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if ev.finish_reason is not None or ev.error:
-            self._done = True
-            self._remote.boxes.pop(self._request_id, None)
-        return ev
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._remote.cancel(self._request_id)
 
 
 class RemoteCoordinator:
@@ -101,26 +73,43 @@ class RemoteCoordinator:
             box.put(TokenEvent(None, None, error=_GONE))
         self.boxes.clear()
 
-    async def generate(self, request_id: str, spec: GenerateSpec) -> RemoteEvents:
+    async def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         box: Outbox[TokenEvent] = Outbox()
         self.boxes[request_id] = box  # before the call: the first events may come before its answer
+        call = asyncio.ensure_future(self.stub.Submit(spec_to_proto(self.link_id, request_id, spec)))
         try:
-            answer = await self.stub.Submit(spec_to_proto(self.link_id, request_id, spec))
-        except BaseException as exc:
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client went away while it was submitted: abort it once it is
             self.boxes.pop(request_id, None)
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise ApiError(503, f"{_GONE}: {exc.details()}", err_type="service_unavailable") from exc
+            call.add_done_callback(lambda done: self._cancel_if_queued(request_id, done))
             raise
+        except grpc.aio.AioRpcError as exc:
+            self.boxes.pop(request_id, None)
+            raise ApiError(503, f"{_GONE}: {exc.details()}", err_type="service_unavailable") from exc
         if not answer.ok:
             self.boxes.pop(request_id, None)
             raise error_of(answer)
-        return RemoteEvents(self, request_id, box)
+        return RequestEvents(self, request_id, box)
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        """A request's events are over (RequestEvents): forget it, and abort it on the coordinator unless it ended."""
+        if finished:
+            self.boxes.pop(request_id, None)
+        else:
+            self.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
         if self.boxes.pop(request_id, None) is not None:
-            task = asyncio.ensure_future(self._cancel(request_id))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._send_cancel(request_id)
+
+    def _cancel_if_queued(self, request_id: str, submitted: asyncio.Future) -> None:
+        if not submitted.cancelled() and submitted.exception() is None and submitted.result().ok:
+            self._send_cancel(request_id)
+
+    def _send_cancel(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self._cancel(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

@@ -20,7 +20,7 @@ class EventSink(Protocol):
 
 
 class Ending(Protocol):
-    """The coordinator, as a request's reader ends it."""
+    """Whoever holds the request (the coordinator, or an API frontend's link to it), as its reader ends it."""
 
     def _end(self, request_id: str, finished: bool) -> None: ...
 
