@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from collections.abc import AsyncGenerator
 import aiohttp
 import psutil
 
+from lockstep.coordinator.api_workers import reserve
 from lockstep.coordinator.frontend_link import start_link
 from lockstep.coordinator.generation import GenerateSpec, TokenEvent
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
@@ -108,6 +110,7 @@ def _server(model_dir: str, batch: int, tokens: int, port: int, api_workers: int
         if api_workers:
             address = f"unix:{tempfile.mkdtemp(prefix='lockstep-bench-link-')}/link.sock"
             link, _ = await start_link(frontend, address)  # type: ignore[arg-type]
+            held = reserve("127.0.0.1", port)
             procs = [subprocess.Popen([sys.executable, "-m", "lockstep.coordinator.remote", "--link", address,
                                        "--model", model_dir, "--port", str(port)]) for _ in range(api_workers)]
             await _until_serving(port)
@@ -118,7 +121,7 @@ def _server(model_dir: str, batch: int, tokens: int, port: int, api_workers: int
             await asyncio.sleep(TICK_S)
         children = [psutil.Process(p.pid) for p in procs]
         cpu, wall, sent = time.process_time(), time.perf_counter(), 0
-        theirs = sum(sum(c.cpu_times()[:2]) for c in children)
+        theirs = [sum(c.cpu_times()[:2]) for c in children]
         while frontend.live:
             sent += len(frontend.live)
             frontend.tick()
@@ -126,12 +129,13 @@ def _server(model_dir: str, batch: int, tokens: int, port: int, api_workers: int
         while not received.is_set():  # the clock stops when the clients have every token, wherever it was sent
             await asyncio.sleep(TICK_S)
         out.put((sent, time.process_time() - cpu, time.perf_counter() - wall,
-                 sum(sum(c.cpu_times()[:2]) for c in children) - theirs))
+                 [sum(c.cpu_times()[:2]) - t for c, t in zip(children, theirs, strict=True)]))
         for proc in procs:
             proc.terminate()
             proc.wait(30)
         if api_workers:
             await link.stop(0)
+            held.close()
         else:
             await runner.cleanup()
 
@@ -151,15 +155,20 @@ async def _until_serving(port: int) -> None:
     raise RuntimeError("the API frontends did not start")
 
 
-async def _clients(port: int, batch: int, tokens: int) -> None:
+async def _clients(port: int, batch: int, tokens: int) -> int:
+    """The token ids every stream received, counted from the chunks (return_token_ids)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one() -> None:
-            body = {"model": "bench", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True}
+        async def one() -> int:
+            body = {"model": "bench", "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True,
+                    "return_token_ids": True}
+            got = 0
             async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
-                async for _ in r.content:
-                    pass
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        got += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+            return got
 
-        await asyncio.gather(*(one() for _ in range(batch)))
+        return sum(await asyncio.gather(*(one() for _ in range(batch))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,14 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         server.kill()
         print("the server did not start", file=sys.stderr)
         return 1
-    asyncio.run(_clients(port, args.batch, args.tokens))
+    got = asyncio.run(_clients(port, args.batch, args.tokens))
     received.set()
     sent, cpu, wall, theirs = out.get(timeout=60)
     server.join(60)
     where = f"{args.api_workers} API frontend process(es)" if args.api_workers else "HTTP in the coordinator"
-    print(f"batch {args.batch}, {args.tokens} tokens each, {where}: {sent} tokens in {wall:.2f} s; coordinator "
-          f"CPU {cpu * 1e3:.0f} ms = {cpu / sent * 1e6:.1f} us per token = {cpu / sent * args.batch * 1e3:.2f} ms "
-          f"per step of {args.batch}" + (f"; frontends' CPU {theirs / sent * 1e6:.1f} us per token" if theirs else ""))
+    per_token = cpu / sent
+    shares = ", ".join(f"{t / sum(theirs):.0%}" for t in theirs) if sum(theirs) > 0 else "too little to tell"
+    print(f"batch {args.batch}, {args.tokens} tokens each, {where}: {sent} tokens sent, {got} received in "
+          f"{wall:.2f} s; coordinator CPU {cpu * 1e3:.0f} ms = {per_token * 1e6:.1f} us per token = "
+          f"{per_token * args.batch * 1e3:.2f} ms per step of {args.batch}"
+          + (f"; frontends' CPU {sum(theirs) / sent * 1e6:.1f} us per token (shares {shares})" if theirs else ""))
     return 0
 
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import signal
 import subprocess
+import tempfile
 import time
 
 import aiohttp
@@ -121,6 +122,8 @@ class TickingCoordinator:
         return b"lockstep_up 1\n"
 
     async def reset_prefix_cache(self, rank: int | None) -> None:
+        if rank == 7:
+            raise ApiError(503, "group g0 is down", code="group_unavailable", err_type="service_unavailable")
         if rank is not None and rank > 1:
             raise ValueError(f"rank {rank} is not in the group")
 
@@ -295,8 +298,52 @@ def test_a_coordinator_gone_ends_the_open_streams_with_an_error_event(tmp_path):
             assert "coordinator is gone" in chunks[-2]["error"]["message"] and chunks[-1] == "[DONE]"
             await asyncio.wait_for(pump, 5)
             assert not remote.boxes
+            async with session.get(url + "/health") as resp:  # not a 503 whose body reads as the groups' state
+                assert resp.status == 502 and "coordinator is gone" in (await resp.json())["error"]["message"]
+            async with session.get(url + "/metrics") as resp:
+                assert resp.status == 503
+            async with session.post(url + "/admin/resume?group=g0") as resp:
+                assert resp.status == 503
 
     asyncio.run(main())
+
+
+def test_a_message_the_frontend_cannot_read_ends_its_streams_instead_of_leaving_them_waiting(tmp_path,
+                                                                                              monkeypatch):
+    from lockstep.coordinator import remote as remote_module
+
+    coord = TickingCoordinator()
+    seen = []
+
+    def unreadable(msg):
+        seen.append(msg)
+        if len(seen) > 3:
+            raise WireError("step events: extras for event 9 of 1")
+        return events_from_proto(msg)
+
+    monkeypatch.setattr(remote_module, "events_from_proto", unreadable)
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (_, remote, pump, session, url, _):
+            async with session.post(url + "/v1/completions", json=_stream_body(10_000)) as resp:
+                chunks = await asyncio.wait_for(_chunks(resp), 10)
+            assert "coordinator is gone" in chunks[-2]["error"]["message"] and chunks[-1] == "[DONE]"
+            await asyncio.wait_for(pump, 5)
+
+    asyncio.run(main())
+
+
+def test_a_steps_events_are_split_only_where_prompt_logprobs_make_them_large():
+    from lockstep.coordinator.frontend_wire import split_events
+
+    plain = [(f"r{i}", TokenEvent(5)) for i in range(256)]
+    assert split_events(plain, 1 << 20) == [plain]
+    big = [TokenLogprobs(-1.0, tuple((t, -1.0) for t in range(20)))] * 5000  # ~1.3 MB of prompt logprobs
+    events = [("a", TokenEvent(5)), ("b", TokenEvent(5, prompt_logprobs=big)), ("c", TokenEvent(5)),
+              ("d", TokenEvent(5))]
+    runs = split_events(events, 1 << 20)  # b alone is over the budget: a message of its own
+    assert [[rid for rid, _ in run] for run in runs] == [["a"], ["b"], ["c", "d"]]
+    assert [pair for run in runs for pair in run] == events
 
 
 def test_health_metrics_and_admin_answers_come_from_the_coordinator(tmp_path):
@@ -319,12 +366,40 @@ def test_health_metrics_and_admin_answers_come_from_the_coordinator(tmp_path):
                 assert resp.status == 400 and "rank 5 is not in the group" in (await resp.json())["error"]["message"]
             async with session.post(url + "/admin/reset_prefix_cache?rank=1") as resp:
                 assert resp.status == 200
+            async with session.post(url + "/admin/reset_prefix_cache?rank=7") as resp:  # as in process: not a 500
+                assert resp.status == 503 and resp.headers["Retry-After"] == "5"
+                assert (await resp.json())["error"]["code"] == "group_unavailable"
             async with session.post(url + "/admin/resume?group=g1") as resp:
                 assert resp.status == 404
             async with session.get(url + "/v1/models") as resp:
                 assert (await resp.json())["data"][0]["id"] == "tiny"
 
     asyncio.run(main())
+
+
+def test_api_workers_fail_their_start_on_a_port_in_use_or_a_frontend_that_cannot_start(tmp_path):
+    import glob
+    import socket
+    from dataclasses import replace
+
+    from lockstep.coordinator.api_workers import ApiWorkers
+    from lockstep.coordinator.config import CoordinatorConfig
+
+    links = set(glob.glob(f"{tempfile.gettempdir()}/lockstep-link-*"))
+
+    async def main() -> None:
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            cfg = CoordinatorConfig(groups={"g0": ("127.0.0.1:1",)}, host="127.0.0.1",
+                                    http_port=busy.getsockname()[1], api_workers=1)
+            with pytest.raises(OSError):
+                await ApiWorkers.start(TickingCoordinator(), cfg, tmp_path)
+        with pytest.raises(RuntimeError, match="exited with 1 before it linked"):
+            await ApiWorkers.start(TickingCoordinator(), replace(cfg, http_port=free_port()), tmp_path / "none")
+
+    asyncio.run(main())
+    assert set(glob.glob(f"{tempfile.gettempdir()}/lockstep-link-*")) == links
 
 
 def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_frontend_that_dies(
@@ -380,7 +455,9 @@ def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_f
                 time.sleep(0.1)
         finally:
             stream.kill()
-        assert "API frontend 0" in log.read_text() or "API frontend 1" in log.read_text()
+        text = log.read_text()
+        assert "API frontend 0" in text or "API frontend 1" in text
+        assert "unlinked: 1 request(s) of it aborted" in text  # the abort freed it, not the stream's end
         everyone = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) in (0, 130)

@@ -174,14 +174,17 @@ def test_the_prepared_gpu_check_runs_through_on_the_cpu(tiny_llama, tmp_path):
     assert '"completion_tokens": 16' in (tmp_path / "serve.log").read_text()
 
 
-def test_the_streaming_benchmark_streams_every_token(tiny_llama):
-    """scripts/bench_stream_frontend.py: every stream gets its tokens through the real HTTP app, and the number
-    it reports is per token actually sent."""
+@pytest.mark.parametrize("api_workers", [0, 2])
+def test_the_streaming_benchmark_streams_every_token(tiny_llama, api_workers):
+    """scripts/bench_stream_frontend.py: every stream gets its tokens through the real HTTP app (in the coordinator,
+    or through real API frontends), and the number it reports is per token actually sent."""
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_stream_frontend.py"
-    proc = subprocess.run([sys.executable, str(script), "--batch", "5", "--tokens", "7", "--model", str(tiny_llama)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), "--batch", "5", "--tokens", "7", "--model", str(tiny_llama),
+                           "--api-workers", str(api_workers)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "batch 5, 7 tokens each: 35 tokens in" in proc.stdout and "us per token" in proc.stdout
+    where = "2 API frontend process(es)" if api_workers else "HTTP in the coordinator"
+    assert f"batch 5, 7 tokens each, {where}: 35 tokens sent, 35 received in" in proc.stdout, proc.stdout
+    assert "us per token" in proc.stdout and ("frontends' CPU" in proc.stdout) == bool(api_workers)

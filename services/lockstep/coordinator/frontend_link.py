@@ -17,7 +17,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from lockstep.coordinator.frontend_wire import answer_of, events_to_proto, spec_from_proto
+from lockstep.coordinator.frontend_wire import (
+    MAX_MESSAGE,
+    MESSAGE_BUDGET,
+    answer_of,
+    events_to_proto,
+    spec_from_proto,
+    split_events,
+)
 from lockstep.coordinator.generation import ApiError, TokenEvent
 from lockstep.coordinator.service import Coordinator
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
@@ -48,7 +55,8 @@ class _Link:
             if (ev.finish_reason is not None or ev.error) and rid in self.requests:
                 self.requests.discard(rid)
                 self.coordinator._end(rid, finished=True)
-        self.out.put_nowait(events_to_proto(events))
+        for part in split_events(events, MESSAGE_BUDGET):
+            self.out.put_nowait(events_to_proto(part))
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -140,6 +148,8 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
                 out = c.resume(request.group)
             else:
                 return fpb.JsonAnswer(status=400, json=json.dumps(f"no admin call {request.name!r}"))
+        except ApiError as exc:  # e.g. a reset while a group is down: 503 with Retry-After, as in process
+            return fpb.JsonAnswer(status=exc.status, error=answer_of(exc))
         except KeyError as exc:
             return fpb.JsonAnswer(status=404, json=json.dumps(str(exc)))
         except ValueError as exc:
@@ -150,8 +160,8 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
 async def start_link(coordinator: Coordinator, address: str) -> tuple[grpc.aio.Server, FrontendLinkServicer]:
     """Serve the link at `address` (a `unix:` path in a directory only this user can enter: the frontends are
     this deployment's own processes, and the link carries no API key)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE)])
     servicer = FrontendLinkServicer(coordinator)
     frontend_pb2_grpc.add_FrontendLinkServicer_to_server(servicer, server)
     server.add_insecure_port(address)

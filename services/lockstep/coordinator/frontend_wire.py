@@ -17,6 +17,11 @@ from lockstep.steps import TokenLogprobs
 from lockstep.wire import WireError, sampling_bytes, sampling_from_bytes
 
 _REASONS = {r.value: r for r in FinishReason}
+# A step's events go in messages of about MESSAGE_BUDGET bytes at most (prompt logprobs come whole with a
+# request's first token, ~12 bytes per prompt position and top entry); one event alone may be larger, up to
+# the link's MAX_MESSAGE (a 128k-token prompt's logprobs with 20 top entries each are ~32 MB).
+MESSAGE_BUDGET = 8 << 20
+MAX_MESSAGE = 512 << 20
 
 
 def spec_to_proto(link_id: str, request_id: str, spec: GenerateSpec) -> fpb.SubmitMsg:
@@ -52,6 +57,24 @@ def error_of(answer: fpb.SubmitAnswer) -> ApiError:
     retry = answer.retry_after if answer.HasField("retry_after") else None
     return ApiError(answer.status, answer.message, answer.param or None, answer.code or None,
                     answer.type or "invalid_request_error", retry)
+
+
+def split_events(events: Sequence[tuple[str, TokenEvent]], budget: int) -> list[Sequence[tuple[str, TokenEvent]]]:
+    """The events in runs whose rough size stays within `budget` (a run of one may exceed it), in order; a plain
+    step (tokens, no prompt logprobs) is one run."""
+    runs, start, size = [], 0, 0
+    for i, (rid, ev) in enumerate(events):
+        cost = 24 + len(rid) + _logprobs_size(ev.logprobs) + sum(_logprobs_size(lp) for lp in ev.prompt_logprobs or ())
+        if size + cost > budget and i > start:
+            runs.append(events[start:i])
+            start, size = i, 0
+        size += cost
+    runs.append(events[start:])
+    return runs
+
+
+def _logprobs_size(lp: TokenLogprobs | None) -> int:
+    return 0 if lp is None else 12 + 12 * len(lp.top)
 
 
 def events_to_proto(events: Sequence[tuple[str, TokenEvent]]) -> fpb.StepEventsMsg:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from lockstep.coordinator.api_workers import ApiWorkers
@@ -111,13 +112,26 @@ async def run(
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
+    grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
     if config.api_workers:
         model_dir = resolve_model(config.model, progress)
         runner: web.AppRunner | ApiWorkers = await ApiWorkers.start(coord, config, model_dir)
         progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
     else:
         runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace)
-    grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
+    try:
+        return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
+    finally:
+        if isinstance(runner, ApiWorkers):
+            runner.close_now()  # whatever stopped the run: no frontend and no link directory outlives it
+
+
+async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppRunner | ApiWorkers,
+                 grpc_server: grpc.aio.Server, stop: asyncio.Event, supervise: Coroutine[Any, Any, None] | None,
+                 on_ready: Callable[[], None] | None, progress: Callable[[str], None]) -> int:
+    """Serve until a stop (0) or until `supervise` ends (1), then stop in order within the grace."""
+    loop = asyncio.get_running_loop()
+    grace = config.shutdown_grace
     if not config.api_keys:
         progress("no API key set (--api-key / LOCKSTEP_API_KEY): /v1/* and /admin/* are open to anyone who "
                  "reaches the port")

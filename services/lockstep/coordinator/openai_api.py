@@ -294,12 +294,13 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
     return value
 
 
-async def run_app(app: web.Application, host: str, port: int,
-                  shutdown_grace: float = SHUTDOWN_GRACE_S, reuse_port: bool = False) -> web.AppRunner:
+async def run_app(app: web.Application, host: str, port: int, shutdown_grace: float = SHUTDOWN_GRACE_S,
+                  reuse_port: bool = False) -> web.AppRunner:
     """Serve the app (no access log: /metrics is scraped every few seconds).
 
     `runner.cleanup()` stops listening at once, then gives the requests in flight `shutdown_grace`
-    seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long)."""
+    seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long). With
+    `reuse_port`, processes share the port (API frontends: api_workers.py)."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()

@@ -1,10 +1,11 @@
 """An API frontend process: the OpenAI HTTP API in front of a coordinator in another process.
 
 `lockstep serve --api-workers N` (and the coordinator's `--api-workers`) start N of these on the HTTP port
-(SO_REUSEPORT: the kernel spreads connections over them). Each holds one link to the coordinator
-(frontend_link.py): a request is submitted with one call (a refusal is an HTTP status, as in process), its
-tokens come back in the one message per step the link sends, and everything per token (detokenizing, stop
-strings, JSON, the socket write) runs here. `RemoteCoordinator` is the `Frontend` the HTTP app is given.
+(SO_REUSEPORT: the kernel spreads the connections over them; the coordinator reserves the port, api_workers.py).
+Each holds one link to the coordinator (frontend_link.py): a request is submitted with one call (a refusal is an
+HTTP status, as in process), its tokens come back in the one message per step the link sends, and everything per
+token (detokenizing, stop strings, JSON, the socket write) runs here. `RemoteCoordinator` is the `Frontend` the
+HTTP app is given.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import uuid
 import grpc
 
 from lockstep.coordinator.auth import parse_api_keys
-from lockstep.coordinator.frontend_wire import error_of, events_from_proto, spec_to_proto
+from lockstep.coordinator.frontend_wire import MAX_MESSAGE, error_of, events_from_proto, spec_to_proto
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, OpenAIServer, run_app
 from lockstep.coordinator.outbox import Outbox
@@ -41,7 +42,7 @@ class RemoteCoordinator:
     def __init__(self, address: str, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.link_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE)])
         self.stub = frontend_pb2_grpc.FrontendLinkStub(self.channel)
         self.boxes: dict[str, Outbox[TokenEvent]] = {}
         self.model_name, self.max_model_len, self.max_logprobs = "", 0, 0
@@ -69,6 +70,8 @@ class RemoteCoordinator:
                         box.put(ev)
         except grpc.aio.AioRpcError as exc:
             log.warning("the link to the coordinator closed: %s", exc.details())
+        except Exception:  # a message this frontend cannot read: its streams must not wait for more
+            log.exception("a message from the coordinator could not be read; this frontend stops")
         for box in self.boxes.values():
             box.put(TokenEvent(None, None, error=_GONE))
         self.boxes.clear()
@@ -120,19 +123,25 @@ class RemoteCoordinator:
         return self._healthy
 
     async def health_detail(self) -> dict:
-        try:
-            answer = await self.stub.Health(fpb.Empty())
-        except grpc.aio.AioRpcError as exc:
-            self._healthy = False
-            return {"coordinator": _GONE + f": {exc.details()}"}
+        """The coordinator's; unreachable, a 502 (not a 503 whose body would read as the groups' state)."""
+        answer = await self._call(self.stub.Health(fpb.Empty()), 502)
         self._healthy = answer.status == 200
         return json.loads(answer.json)
 
     async def metrics_text(self) -> bytes:
-        return (await self.stub.Metrics(fpb.Empty())).text
+        return (await self._call(self.stub.Metrics(fpb.Empty()))).text
+
+    async def _call(self, call, status: int = 503):
+        """A unary call's answer; the coordinator unreachable is an API error, not a frontend's 500."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise ApiError(status, f"{_GONE}: {exc.details()}", err_type="service_unavailable") from exc
 
     async def _admin(self, **call) -> dict:
-        answer = await self.stub.Admin(fpb.AdminCall(**call))
+        answer = await self._call(self.stub.Admin(fpb.AdminCall(**call)))
+        if answer.HasField("error"):
+            raise error_of(answer.error)
         body = json.loads(answer.json)
         if answer.status == 404:
             raise KeyError(body)
@@ -182,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", required=True, help="the coordinator's frontend link (unix:PATH)")
     p.add_argument("--model", required=True, help="the model directory (its tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="the HTTP port (shared: SO_REUSEPORT)")
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -80,12 +80,14 @@ class Description(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class JsonAnswer(_message.Message):
-    __slots__ = ("status", "json")
+    __slots__ = ("status", "json", "error")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     status: int
     json: str
-    def __init__(self, status: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+    error: SubmitAnswer
+    def __init__(self, status: _Optional[int] = ..., json: _Optional[str] = ..., error: _Optional[_Union[SubmitAnswer, _Mapping]] = ...) -> None: ...
 
 class MetricsAnswer(_message.Message):
     __slots__ = ("text",)
