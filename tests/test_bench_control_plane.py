@@ -16,10 +16,12 @@ from lockstep.coordinator.events import Event, EventKind
 BATCH, STEPS, WARMUP = 4, 20, 2
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_path, overlap):
+@pytest.mark.parametrize("overlap, frontends", [(False, False), (True, False), (True, True)])
+def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_path, overlap, frontends):
+    """With `frontends`, the tokens leave through an API frontend's link (one message per step) and the clients
+    count them from its columns."""
     cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40,
-                             overlap=overlap)
+                             overlap=overlap, frontends=frontends)
     runs, profiler = run_all([cfg], tmp_path)
     assert profiler is None
     raw = runs[0]
@@ -48,6 +50,11 @@ def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_p
     else:
         assert row["ms"]["ahead"]["p90"] == 0 and row["ms"]["exposed"]["p50"] == row["ms"]["coordinator"]["p50"]
     assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]
+    # a steady step's link message: built and encoded once per step, only with frontends, and counted as the
+    # coordinator's own time
+    assert (row["ms"]["link"]["p50"] > 0) == frontends and (row["ms"]["link"]["p90"] == 0) == (not frontends)
+    if frontends:
+        assert len(raw.link_s) >= WARMUP + STEPS
     table = format_table([row])
     assert "p50, ms" in table and "p90, ms" in table and "TensorRT-LLM" in table and "update_from_output" in table
     assert "WARNING" not in table
@@ -79,6 +86,9 @@ def test_the_command_line_runs_each_tp_agreement_and_batch_once():
                    (2, False, 64, 5)]
     both = [(c.overlap, c.batch) for c in configs(parse_args(["--batch", "8", "--tp", "1"]))]
     assert both == [(True, 8), (False, 8)]
+    linked = [(c.frontends, c.batch) for c in configs(parse_args(["--batch", "8", "--tp", "1", "--overlap", "on",
+                                                                  "--frontends", "both"]))]
+    assert linked == [(True, 8), (False, 8)]
     with pytest.raises(SystemExit):
         parse_args(["--batch", "8,0"])
     with pytest.raises(SystemExit):

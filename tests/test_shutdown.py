@@ -85,8 +85,12 @@ def test_a_stream_that_ends_within_the_grace_is_served_whole_and_does_not_wait_f
     assert took < 5.0, took
 
 
-def test_sigterm_ends_lockstep_serve_and_its_open_stream_within_the_grace(tiny_llama, tmp_path):
-    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
+@pytest.mark.parametrize("api_workers", ["0", "1"])
+def test_sigterm_ends_lockstep_serve_and_its_open_stream_within_the_grace(tiny_llama, tmp_path, api_workers):
+    """With API frontends too: the stream's frontend gets the grace, and what the coordinator ends after it comes
+    to it over the link."""
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1", "--api-workers",
+                  api_workers) as (proc, port, log):
         _wait_healthy(proc, port, log)
         body = json.dumps({"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "temperature": 0,
                            "stream": True}).encode()

@@ -39,6 +39,7 @@ from typing import Any
 
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.frontend_link import Link, LinkQueue
 from lockstep.coordinator.generation import GenerateSpec
 from lockstep.coordinator.group import GroupRunner, StepTiming
 from lockstep.coordinator.service import Coordinator
@@ -72,6 +73,7 @@ class ControlPlaneConfig:
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = True
     overlap: bool = True  # plans built ahead of the last step's reports (the coordinator's default)
+    frontends: bool = False  # the tokens go to an API frontend's link (--api-workers), not to in-process queues
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -114,6 +116,7 @@ class RunRaw:
     final_used_pages: list[int] = field(default_factory=list)  # per rank, by its last report
     wall_s: float = 0.0
     rank_stats: list[dict[str, Any]] = field(default_factory=list)
+    link_s: dict[int, float] = field(default_factory=dict)  # per step: its frontend link message, built and encoded
 
 
 class StepRecorder:
@@ -185,6 +188,44 @@ async def _drain(events: Any) -> tuple[int, str]:
     return tokens, reason
 
 
+class _Encoding(asyncio.Queue):
+    """A link's queue that encodes each message as it is queued: what gRPC does with it on the same loop."""
+
+    def put_nowait(self, item: Any) -> None:
+        item.SerializeToString()
+        super().put_nowait(item)
+
+
+async def _linked_clients(coordinator: Coordinator, specs: dict[str, GenerateSpec], recorder: StepRecorder,
+                          link_s: dict[int, float]) -> list[tuple[int, str]]:
+    """The requests submitted through one frontend link, as `--api-workers` does: each step's tokens become one
+    message, built and encoded on the coordinator's loop (timed, per step, into `link_s`), and are counted from
+    its columns here, where a frontend process would read them; (tokens, finish reason) per request."""
+    link = Link(coordinator, "bench")
+    link.out = _Encoding()
+    flush = link._flush
+
+    def timed_flush() -> None:
+        t0 = time.perf_counter()
+        flush()
+        link_s[len(recorder.steps) - 1] = time.perf_counter() - t0
+
+    link._flush = timed_flush  # type: ignore[method-assign]
+    for rid, spec in specs.items():
+        coordinator.submit(rid, spec, LinkQueue(link, rid))
+        link.requests.add(rid)
+    tokens, reasons = dict.fromkeys(specs, 0), dict.fromkeys(specs, "")
+    while link.requests or not link.out.empty():
+        msg = await link.out.get()
+        for rid, token in zip(msg.request_ids, msg.token_ids, strict=True):
+            tokens[rid] += token >= 0
+        for extra in msg.extras:
+            if extra.error:
+                raise RuntimeError(f"a request failed: {extra.error}")
+            reasons[msg.request_ids[extra.index]] = extra.finish_reason or reasons[msg.request_ids[extra.index]]
+    return [(tokens[rid], reasons[rid]) for rid in specs]
+
+
 def prompts(cfg: ControlPlaneConfig) -> list[list[int]]:
     rng = random.Random(cfg.seed + cfg.batch)
     return [[rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(rng.randint(cfg.min_prompt, cfg.max_prompt))]
@@ -232,9 +273,13 @@ async def run_batch(addresses: list[str], cfg: ControlPlaneConfig, profiler: cPr
         await asyncio.wait_for(runner.ready.wait(), STARTUP_S)
         t0 = time.perf_counter()
         spec = [GenerateSpec(p, SamplingParams(), cfg.max_tokens) for p in prompts(cfg)]
-        clients = [asyncio.create_task(_drain(coordinator.generate(f"cp-{cfg.batch}-{i}", s)))
-                   for i, s in enumerate(spec)]
-        done = await _until_done(asyncio.gather(*clients), recorder)
+        ids = [f"cp-{cfg.batch}-{i}" for i in range(len(spec))]
+        if cfg.frontends:
+            clients = asyncio.ensure_future(
+                _linked_clients(coordinator, dict(zip(ids, spec, strict=True)), recorder, raw.link_s))
+        else:
+            clients = asyncio.gather(*(_drain(coordinator.generate(rid, s)) for rid, s in zip(ids, spec, strict=True)))
+        done = await _until_done(clients, recorder)
         await _released(runner)
         raw.wall_s = time.perf_counter() - t0
         raw.tokens = [n for n, _ in done]

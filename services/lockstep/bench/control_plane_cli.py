@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
                    help="the ranks' agreement all-reduce at TP > 1 (both: a run with and one without)")
     p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
                    help="overlap scheduling (the next plan built while the ranks run a step); both: a run each")
+    p.add_argument("--frontends", choices=("on", "off", "both"), default="off",
+                   help="tokens to an API frontend's link, one message per step (as --api-workers), instead of a "
+                        "queue per request; both: a run each")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
@@ -57,14 +60,14 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
 
 
 def configs(args: argparse.Namespace) -> list[ControlPlaneConfig]:
-    """One run per (TP, agreement, overlap, batch); TP 1 has no agreement to turn off."""
+    """One run per (TP, agreement, overlap, frontends, batch); TP 1 has no agreement to turn off."""
     modes = {"on": (True,), "off": (False,), "both": (True, False)}
     return [ControlPlaneConfig(batch=b, tp=tp, steps=args.steps, warmup=args.warmup, agreement=agree,
                                min_prompt=args.min_prompt, max_prompt=args.max_prompt, page_size=args.page_size,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               prefix_caching=not args.no_prefix_caching, overlap=overlap)
+                               prefix_caching=not args.no_prefix_caching, overlap=overlap, frontends=fe)
             for tp in args.tp for agree in (modes[args.agreement] if tp > 1 else (True,))
-            for overlap in modes[args.overlap] for b in args.batch]
+            for overlap in modes[args.overlap] for fe in modes[args.frontends] for b in args.batch]
 
 
 def profile_text(args: argparse.Namespace, work_dir: Path | None) -> str:

@@ -16,7 +16,9 @@ Per step (ms, p50 and p90 over the measured steps):
 - ahead: with overlap, building and serializing the next plan while the ranks run this one (the plan of the
   next step then reads 0 in plan and serialize);
 - total: plan + serialize + ahead + round trip + apply, the coordinator's `lockstep_step_duration_seconds`;
-- coordinator: plan + serialize + ahead + apply, the coordinator's own time;
+- link: with frontends (`--frontends`, as `--api-workers` runs), the step's message to the API frontend, built
+  and encoded right after the apply;
+- coordinator: plan + serialize + ahead + apply + link, the coordinator's own time;
 - exposed: the part of it while no plan was in flight on the ranks: plan + serialize, and apply unless the next
   plan was sent ahead (then the ranks run it meanwhile). Overlap hides coordinator - exposed.
 """
@@ -35,7 +37,7 @@ TARGET_TOTAL_MS = 1.0  # issue 11: the control plane's step at batch 256
 TARGET_BATCH = 256
 HEADERS = {"plan": "plan", "serialize": "serialize", "round_trip": "round trip", "rank_apply": "rank apply",
            "rank_engine": "rank engine", "rank_wire": "rank wire", "transport": "transport", "apply": "apply",
-           "ahead": "ahead", "total": "total", "coordinator": "coordinator", "exposed": "exposed"}
+           "ahead": "ahead", "link": "link", "total": "total", "coordinator": "coordinator", "exposed": "exposed"}
 PARTS = tuple(HEADERS)
 
 
@@ -62,9 +64,9 @@ def step_parts(raw: RunRaw) -> dict[str, list[float]]:
         rank_apply, rank_engine, rank_wire = _rank_apply(raw.reports[i], raw.rank_stats)
         values = {"plan": t.plan_s, "serialize": t.send_s, "round_trip": t.wait_s, "rank_apply": rank_apply,
                   "rank_engine": rank_engine, "rank_wire": rank_wire, "transport": t.wait_s - rank_apply,
-                  "apply": t.apply_s, "ahead": t.ahead_s,
+                  "apply": t.apply_s, "ahead": t.ahead_s, "link": raw.link_s.get(i, 0.0),
                   "total": t.plan_s + t.send_s + t.ahead_s + t.wait_s + t.apply_s,
-                  "coordinator": t.plan_s + t.send_s + t.ahead_s + t.apply_s,
+                  "coordinator": t.plan_s + t.send_s + t.ahead_s + t.apply_s + raw.link_s.get(i, 0.0),
                   "exposed": t.plan_s + t.send_s + (0.0 if t.ahead_s else t.apply_s)}
         for name, value in values.items():
             parts[name].append(value)
@@ -76,7 +78,8 @@ def summarize(raw: RunRaw) -> dict[str, Any]:
     cfg = raw.config
     parts = step_parts(raw)
     return {
-        "tp": cfg.tp, "agreement": cfg.agreement, "overlap": cfg.overlap, "batch": cfg.batch,
+        "tp": cfg.tp, "agreement": cfg.agreement, "overlap": cfg.overlap, "frontends": cfg.frontends,
+        "batch": cfg.batch,
         "measured_steps": len(parts["total"]),
         "steps_run": len(raw.timings), "max_tokens": cfg.max_tokens, "wall_s": raw.wall_s,
         "completed": sum(1 for n, r in zip(raw.tokens, raw.finish_reasons, strict=True)
@@ -90,7 +93,8 @@ def summarize(raw: RunRaw) -> dict[str, Any]:
 def _label(row: dict[str, Any]) -> str:
     agree = ("agree on" if row["agreement"] else "agree off") if row["tp"] > 1 else ""
     overlap = "overlap" if row.get("overlap", True) else "no overlap"
-    return f"TP {row['tp']} {agree:9} {overlap:10} batch {row['batch']:>4}"
+    overlap += " +fe" if row.get("frontends") else ""
+    return f"TP {row['tp']} {agree:9} {overlap:14} batch {row['batch']:>4}"
 
 
 def _name(row: dict[str, Any]) -> str:
@@ -99,13 +103,13 @@ def _name(row: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as p50 and p90 ms per part, then the published anchors and the issue's target beside them."""
-    head = f"{'':37}{'steps':>6}" + "".join(f"{HEADERS[p]:>12}" for p in PARTS)
+    head = f"{'':41}{'steps':>6}" + "".join(f"{HEADERS[p]:>12}" for p in PARTS)
     lines = ["control plane per decode step (no-op forward; real coordinator, gRPC streams, rank service)"]
     for stat in ("p50", "p90"):
         lines += ["", f"{stat}, ms", head, "-" * len(head)]
         for row in rows:
             cells = "".join(f"{'-':>12}" if row["ms"][p] is None else f"{row['ms'][p][stat]:12.3f}" for p in PARTS)
-            lines.append(f"{_label(row):37}{row['measured_steps']:>6}" + cells)
+            lines.append(f"{_label(row):41}{row['measured_steps']:>6}" + cells)
     return "\n".join(lines + _anchors(rows))
 
 

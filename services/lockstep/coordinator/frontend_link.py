@@ -2,7 +2,7 @@
 
 With `--api-workers N` the HTTP API runs in N frontend processes (remote.py). Their requests are queued here
 exactly as the in-process API's are (`Coordinator.submit`), but a request's events go to its frontend's
-`_Link` instead of an Outbox read by an HTTP task: the step's dispatch appends them to the link's list, and
+`Link` instead of an Outbox read by an HTTP task: the step's dispatch appends them to the link's list, and
 one callback after the dispatch sends the whole list as one columnar message. What stays on the coordinator's
 event loop per streamed token is an append and three column entries; parsing, detokenizing, stop strings,
 JSON and the socket writes run in the frontends.
@@ -34,7 +34,7 @@ from lockstep.wire import WireError
 log = logging.getLogger("lockstep.link")
 
 
-class _Link:
+class Link:
     """One frontend's requests and the events bound for it."""
 
     def __init__(self, coordinator: Coordinator, link_id: str) -> None:
@@ -69,12 +69,12 @@ class _Link:
             self.cancel(rid)
 
 
-class _LinkQueue:
+class LinkQueue:
     """A request's event sink: its frontend's link (in place of the Outbox an in-process client reads)."""
 
     __slots__ = ("link", "request_id")
 
-    def __init__(self, link: _Link, request_id: str) -> None:
+    def __init__(self, link: Link, request_id: str) -> None:
         self.link, self.request_id = link, request_id
 
     def put(self, item: TokenEvent) -> None:
@@ -84,13 +84,13 @@ class _LinkQueue:
 class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.links: dict[str, _Link] = {}
+        self.links: dict[str, Link] = {}
 
     async def Events(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[fpb.StepEventsMsg]:
         if not request.link_id or request.link_id in self.links:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"link id {request.link_id!r} is empty or in use")
-        link = self.links[request.link_id] = _Link(self.coordinator, request.link_id)
+        link = self.links[request.link_id] = Link(self.coordinator, request.link_id)
         log.info("frontend %s linked", request.link_id)
         try:
             yield fpb.StepEventsMsg()  # linked: the frontend submits only after this
@@ -108,7 +108,7 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
                                       err_type="service_unavailable"))
         try:
             spec = spec_from_proto(request)
-            self.coordinator.submit(request.request_id, spec, _LinkQueue(link, request.request_id))
+            self.coordinator.submit(request.request_id, spec, LinkQueue(link, request.request_id))
         except WireError as exc:
             return answer_of(ApiError(400, str(exc)))
         except ApiError as exc:
