@@ -49,7 +49,9 @@ def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_p
         assert row["ms"]["plan"]["p90"] == row["ms"]["exposed"]["p90"] == 0
     else:
         assert row["ms"]["ahead"]["p90"] == 0 and row["ms"]["exposed"]["p50"] == row["ms"]["coordinator"]["p50"]
-    assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]
+    assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"]
+    if not overlap:  # with overlap the ranks start a plan sent ahead before its round trip is timed (transport < 0)
+        assert row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]
     # a steady step's link message: built and encoded once per step, only with frontends, and counted as the
     # coordinator's own time
     assert (row["ms"]["link"]["p50"] > 0) == frontends and (row["ms"]["link"]["p90"] == 0) == (not frontends)
