@@ -39,7 +39,8 @@ from typing import Any
 
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.events import Event, EventKind
-from lockstep.coordinator.frontend_link import Link, LinkQueue
+from lockstep.coordinator.frontend_link import Link
+from lockstep.coordinator.frontend_wire import events_from_proto
 from lockstep.coordinator.generation import GenerateSpec
 from lockstep.coordinator.group import GroupRunner, StepTiming
 from lockstep.coordinator.service import Coordinator
@@ -212,17 +213,14 @@ async def _linked_clients(coordinator: Coordinator, specs: dict[str, GenerateSpe
 
     link._flush = timed_flush  # type: ignore[method-assign]
     for rid, spec in specs.items():
-        coordinator.submit(rid, spec, LinkQueue(link, rid))
-        link.requests.add(rid)
+        link.submit(rid, spec)
     tokens, reasons = dict.fromkeys(specs, 0), dict.fromkeys(specs, "")
     while link.requests or not link.out.empty():
-        msg = await link.out.get()
-        for rid, token in zip(msg.request_ids, msg.token_ids, strict=True):
-            tokens[rid] += token >= 0
-        for extra in msg.extras:
-            if extra.error:
-                raise RuntimeError(f"a request failed: {extra.error}")
-            reasons[msg.request_ids[extra.index]] = extra.finish_reason or reasons[msg.request_ids[extra.index]]
+        for rid, ev in events_from_proto(await link.out.get()):  # as the frontend reads them
+            if ev.error:
+                raise RuntimeError(f"a request failed: {ev.error}")
+            tokens[rid] += ev.token_id is not None
+            reasons[rid] = str(ev.finish_reason) if ev.finish_reason is not None else reasons[rid]
     return [(tokens[rid], reasons[rid]) for rid in specs]
 
 

@@ -25,7 +25,7 @@ from lockstep.coordinator.frontend_wire import (
     spec_from_proto,
     split_events,
 )
-from lockstep.coordinator.generation import ApiError, TokenEvent
+from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.service import Coordinator
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
@@ -43,6 +43,11 @@ class Link:
         self.requests: set[str] = set()  # submitted, not ended
         self.out: asyncio.Queue[fpb.StepEventsMsg] = asyncio.Queue()
         self._pending: list[tuple[str, TokenEvent]] = []
+
+    def submit(self, request_id: str, spec: GenerateSpec) -> None:
+        """Queue the request on the coordinator (or raise its ApiError) with this link as its events' sink."""
+        self.coordinator.submit(request_id, spec, LinkQueue(self, request_id))
+        self.requests.add(request_id)
 
     def add(self, request_id: str, ev: TokenEvent) -> None:
         if not self._pending:  # the first event of this dispatch: send them all once it is over
@@ -107,13 +112,11 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
             return answer_of(ApiError(503, "the frontend's link to the coordinator is not open; retry",
                                       err_type="service_unavailable"))
         try:
-            spec = spec_from_proto(request)
-            self.coordinator.submit(request.request_id, spec, LinkQueue(link, request.request_id))
+            link.submit(request.request_id, spec_from_proto(request))
         except WireError as exc:
             return answer_of(ApiError(400, str(exc)))
         except ApiError as exc:
             return answer_of(exc)
-        link.requests.add(request.request_id)
         return answer_of(None)
 
     async def Cancel(self, request: fpb.CancelMsg, context: grpc.aio.ServicerContext) -> fpb.Empty:

@@ -60,8 +60,11 @@ def error_of(answer: fpb.SubmitAnswer) -> ApiError:
 
 
 def split_events(events: Sequence[tuple[str, TokenEvent]], budget: int) -> list[Sequence[tuple[str, TokenEvent]]]:
-    """The events in runs whose rough size stays within `budget` (a run of one may exceed it), in order; a plain
-    step (tokens, no prompt logprobs) is one run."""
+    """The events in runs whose rough size stays within `budget` (a run of one may exceed it), in order. A step
+    without prompt logprobs is one run, sized at no cost per event (this runs on the step loop for every step): its
+    events are a few dozen bytes each, a few hundred with logprobs (at most --max-logprobs of them)."""
+    if not any(ev.prompt_logprobs for _, ev in events):
+        return [events]
     runs, start, size = [], 0, 0
     for i, (rid, ev) in enumerate(events):
         cost = 24 + len(rid) + _logprobs_size(ev.logprobs) + sum(_logprobs_size(lp) for lp in ev.prompt_logprobs or ())

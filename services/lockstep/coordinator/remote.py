@@ -95,14 +95,9 @@ class RemoteCoordinator:
         return RequestEvents(self, request_id, box)
 
     def _end(self, request_id: str, finished: bool) -> None:
-        """A request's events are over (RequestEvents): forget it, and abort it on the coordinator unless it ended."""
-        if finished:
-            self.boxes.pop(request_id, None)
-        else:
-            self.cancel(request_id)
-
-    def cancel(self, request_id: str) -> None:
-        if self.boxes.pop(request_id, None) is not None:
+        """A request's events are over (RequestEvents): forget it, and abort it on the coordinator unless it ended
+        (or the link already ended it: its box is gone)."""
+        if self.boxes.pop(request_id, None) is not None and not finished:
             self._send_cancel(request_id)
 
     def _cancel_if_queued(self, request_id: str, submitted: asyncio.Future) -> None:
