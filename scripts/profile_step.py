@@ -78,7 +78,7 @@ def instrument() -> None:
         cls.forward = _timed(name, cls.forward)
     llama_module.paged_attention = _timed("attention (paged, gathers incl.)", llama_module.paged_attention)
     llama_module.write_kv = _timed("KV writes", llama_module.write_kv)
-    AttentionBatch.build = staticmethod(_timed("attention batch build", _recorded(AttentionBatch.build)))
+    AttentionBatch.from_table = staticmethod(_timed("attention batch build", _recorded(AttentionBatch.from_table)))
     engine_module.sample = _timed("sampling", engine_module.sample)
     RankCache.prepare = _timed("page bookkeeping", RankCache.prepare)
     RankCache.finish = _timed("page bookkeeping", RankCache.finish)

@@ -188,3 +188,21 @@ def test_the_streaming_benchmark_streams_every_token(tiny_llama, api_workers):
     where = "2 API frontend process(es)" if api_workers else "HTTP in the coordinator"
     assert f"batch 5, 7 tokens each, {where}: 35 tokens sent, 35 received in" in proc.stdout, proc.stdout
     assert "us per token" in proc.stdout and ("frontends' CPU" in proc.stdout) == bool(api_workers)
+
+
+def test_the_rank_host_benchmark_times_every_part_of_a_decode_step():
+    """scripts/bench_rank_host.py: the serving engine's step with a no-op forward, part by part; the cache it
+    leaves is consistent (the script checks it) and the parts add up to the step."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_rank_host.py"
+    proc = subprocess.run([sys.executable, str(script), "--batch", "3,9", "--steps", "5", "--warmup", "2",
+                           "--min-prompt", "5", "--max-prompt", "40", "--page-size", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("3", "9")]
+    assert [r[0] for r in rows] == ["3", "9"]
+    for row in rows:
+        parts, step = [float(x) for x in row[1:-1]], float(row[-1])
+        assert len(parts) == 7 and all(x > 0 for x in parts[:4]) and sum(parts) <= step * 1.5

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from lockstep.model import attention
-from lockstep.model.attention import AttentionBatch, _length_groups, paged_attention
+from lockstep.model import attention_batch as attention
+from lockstep.model.attention import AttentionBatch, paged_attention
+from lockstep.model.attention_batch import _length_groups
 
 TOL = 2e-5
 
@@ -125,23 +126,46 @@ def test_length_groups_stay_whole_past_the_dp_cap():
     assert flat == sorted(flat, reverse=True)
 
 
-def test_a_steps_tensors_reach_the_device_in_one_copy_each():
-    """A decode step at batch 256 built a tensor per sequence and per group (12 ms of host time, more than a GPU
-    forward); now the batch's index tensors share one buffer, and every group's pages and mask are views of
-    one more, while the lazily made kernel tables still read right."""
+def test_a_steps_tables_are_rows_of_one_table_and_read_only_as_far_as_each_sequence_reaches():
+    """The engine's batch is index arithmetic on its RankCache's block table (no page table per request per
+    step): rows in any order, and columns past a sequence's pages holding another request's pages (a row
+    handed out again) or garbage, must give exactly the answer the sequences' own tables give."""
     spans = [(s, 1) for s in (0, 3, 17, 40, 41, 64, 90, 120, 150, 200, 260, 31, 77, 5)] + [(0, 6), (9, 3)]
-    tables = [list(range(100 * i, 100 * i + math.ceil((s + n) / 4))) for i, (s, n) in enumerate(spans)]
-    batch = AttentionBatch.build([(s, n, t) for (s, n), t in zip(spans, tables, strict=True)], 4)
+    for window in (None, 9):
+        want = run_case(spans, 4, 2, window, seed=5)
+        gen = torch.Generator().manual_seed(1)
+        rows = torch.randperm(len(spans) + 5, generator=gen)[:len(spans)].tolist()
+        table = torch.randint(-5, 10**6, (len(spans) + 5, want.tables.shape[1] + 3), generator=gen)
+        for i, (s, n) in enumerate(spans):
+            need = math.ceil((s + n) / 4)
+            table[rows[i], :need] = want.tables[i, :need]
+        got = AttentionBatch.from_table(table, rows, [s for s, _ in spans], [n for _, n in spans], 4)
+        assert got.slot_mapping.tolist() == want.slot_mapping.tolist()
+        assert got.block_tables.tolist() == want.block_tables.tolist()
+        for g, w in zip(got.single_gathers(window), want.single_gathers(window), strict=True):
+            assert g.pages.tolist() == w.pages.tolist() and g.keep == w.keep
+            assert (g.mask is None and w.mask is None) or torch.equal(g.mask, w.mask)
+        assert min(int(g.pages.min()) for g in got.single_gathers(window)) >= 0
+    assert want.kv_lens.tolist() == [s + n for s, n in spans]
+    assert want.block_tables[15].tolist() == want.tables[15, :3].tolist() + [-1] * (want.tables.shape[1] - 3)
 
-    def storage(t):
-        return t.untyped_storage().data_ptr()
 
-    assert {storage(t) for t in (batch.positions, batch.slot_mapping, batch.last_token_indices,
-                                 *batch.page_tensors.values())} == {storage(batch.positions)}
-    assert sorted(batch.page_tensors) == [14, 15]  # only the multi-token sequences have their own table tensor
-    groups = batch.single_gathers(None)
-    assert len(groups) > 1
-    assert len({storage(g.pages) for g in groups} | {storage(g.rows) for g in groups}) == 1
-    assert len({storage(g.mask) for g in groups if g.mask is not None}) == 1
-    assert batch.block_tables[15].tolist()[:len(tables[15])] == tables[15]
-    assert batch.kv_lens.tolist() == [s + n for s, n in spans]
+def test_a_device_batch_is_one_copy():
+    """Off the CPU the host's index tensors go over as one buffer, each a view of it."""
+    parts = [torch.arange(5), torch.arange(6).view(2, 3), torch.tensor([7])]
+    moved = attention._to_device(parts, "meta")
+    assert [tuple(p.shape) for p in moved] == [(5,), (2, 3), (1,)]
+    assert all(p.device.type == "meta" for p in moved) and len({id(p._base) for p in moved}) == 1
+    assert attention._to_device(parts, "cpu") is parts
+
+
+def test_a_gpu_groups_decode_rows_into_fewer_calls_than_the_cpu():
+    """A call costs launches on a GPU, not gathered slots: rows the CPU splits by length share a call there,
+    while a very long row among short ones still gets its own (its padding would cost more than a call)."""
+    from lockstep.device import attention_call_tokens
+
+    cpu, gpu = attention_call_tokens("cpu"), attention_call_tokens(torch.device("cuda", 0))
+    assert cpu == 256 and gpu > 16 * cpu
+    pages = {i: 1 + i * 3 for i in range(40)}  # 1..118 pages of 16 tokens
+    assert len(_length_groups(pages, gpu // 16)) <= 2 < len(_length_groups(pages, cpu // 16))
+    assert _length_groups({**{i: 2 for i in range(255)}, 255: 2048}, gpu // 16)[0] == [255]

@@ -130,3 +130,39 @@ def test_an_abstaining_plan_is_refused_and_changes_nothing():
     exc = refusal(cache, Plan(step=1, releases=("a",), abstain=True))
     assert "rank 3 abstains from step 1" in str(exc)
     assert cache.stats() == before and cache.table("a")  # not even its releases were carried out
+
+
+def test_the_block_table_follows_every_requests_pages_and_reuses_rows_blank():
+    """The forward reads pages off `block_tables` (one row per request), not off the tables: every admit,
+    allocation and release must show there (`check` compares the two), a row must grow past its first columns
+    and the table past its first rows, and a released row handed out again must hold none of its old pages."""
+    cache = make(pages=400, max_model_len=4096)
+    ids = [f"r{i}" for i in range(40)]  # more than the table's first 16 rows
+    run(cache, Plan(0, admits=tuple(Admit(r) for r in ids), batch=tuple(Chunk(r, (1, 2, 3), 0) for r in ids)))
+    long = tuple(range(3, 300))  # 75 pages: past the table's first 64 columns
+    run(cache, Plan(1, batch=(Chunk("r0", long, 3),)))
+    table = cache.block_tables["full"]
+    assert table.rows >= 40 and table.cols >= 75
+    assert table.row(cache.row("r0"), 75) == cache.table("r0")
+    row = cache.row("r0")
+    run(cache, Plan(2, releases=("r0",), admits=(Admit("new"),), batch=(Chunk("new", (9,), 0),)))
+    assert cache.row("new") == row  # the freed row comes back first
+    assert table.row(row, 75) == cache.table("new") + [-1] * 74
+    refusal(cache, Plan(3, admits=(Admit("x"), Admit("x")), batch=()))
+    assert len({cache.row(r) for r in [*ids[1:], "new"]}) == 40
+
+
+def test_a_block_table_grows_without_losing_a_row_and_refuses_a_row_it_lacks():
+    from lockstep.kv.block_table import BlockTable
+
+    table = BlockTable(rows=2, cols=3)
+    table.write(1, 0, [7, 8, 9])
+    before = table.data
+    table.write(1, 3, [10])  # a fourth column: a new array, row 1 kept
+    table.grow(5)
+    assert table.data is not before and table.rows >= 5
+    assert table.row(1, 5) == [7, 8, 9, 10, -1] and table.row(0, 2) == [-1, -1]
+    table.clear(1, 1, 2)
+    assert table.row(1, 4) == [7, -1, -1, 10]
+    with pytest.raises(IndexError, match="cannot write"):
+        table.write(table.rows, 0, [1])

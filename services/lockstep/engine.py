@@ -28,9 +28,9 @@ from lockstep.device import pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
-from lockstep.kv.paging import POOL_SLIDING, pool_window
+from lockstep.kv.paging import POOL_SLIDING
 from lockstep.kv.rank_cache import RankCache, StepRefused
-from lockstep.model.attention import AttentionBatch
+from lockstep.model.attention_batch import AttentionBatch
 from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
 from lockstep.model.llama import LlamaModel
@@ -73,6 +73,7 @@ class Engine:
         self.device = kv.k[0].device
         self.penalties = PenaltyBook()  # token counts of the penalized requests this rank holds
         self.drawn: dict[str, int] = {}  # the sampling rank's tokens of its last step, for pending chunks
+        self._tables: dict[str, tuple[object, torch.Tensor]] = {}  # each pool's block table, wrapped (_host_table)
         self.page_bytes = {name: KVCache.bytes_per_page(config, comm.world_size, kv.page_size, kv.k[0].dtype, name)
                            for name in cache.pools}
 
@@ -210,14 +211,24 @@ class Engine:
             return ((), ()), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
     def _inputs(self, batch: tuple[Chunk, ...]) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
-        """The forward's token ids and each KV pool's attention batch: the host's share of a step."""
+        """The forward's token ids and each KV pool's attention batch: the host's share of a step, read off the
+        RankCache's block tables (one row per request, kept as its pages change)."""
         ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long, device=self.device)
-        return ids, {
-            name: AttentionBatch.build(
-                [(c.start, len(c.token_ids), self.cache.table(c.request_id, name)) for c in batch],
-                self.cache.page_size, self.device, pool_window(name, self.cache.window))
-            for name in self.cache.pools
-        }
+        rows = [self.cache.row(c.request_id) for c in batch]
+        starts = [c.start for c in batch]
+        lens = [len(c.token_ids) for c in batch]
+        return ids, {name: AttentionBatch.from_table(self._host_table(name), rows, starts, lens, self.cache.page_size,
+                                                     self.device)
+                     for name in self.cache.pools}
+
+    def _host_table(self, pool: str) -> torch.Tensor:
+        """The pool's block table as a host tensor on its array (no copy), made again when the table grew."""
+        table = self.cache.block_tables[pool]
+        made = self._tables.get(pool)
+        if made is None or made[0] is not table.data:
+            made = self._tables[pool] = (table.data, torch.frombuffer(table.data, dtype=torch.long).view(
+                table.rows, table.cols))
+        return made[1]
 
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         ids, attn = self._inputs(batch)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
+from lockstep.kv.block_table import BlockTable
 from lockstep.kv.page_keys import next_key
 from lockstep.kv.paging import POOL_FULL, POOL_SLIDING, first_page, pages_for
 from lockstep.steps import Admit, Chunk, Plan, PoolState, ProbeAnswer
@@ -57,6 +58,7 @@ class _Sequence:
     parent: bytes | None
     pending: list[int] = field(default_factory=list)
     first: int = 0  # the chain index of the first page the sliding pool's table holds
+    row: int = 0  # its row in every pool's BlockTable
 
 
 class RankCache:
@@ -86,6 +88,10 @@ class RankCache:
         self.rank = rank
         self.window = window
         self._seqs: dict[str, _Sequence] = {}
+        # every live request's pages, one row each, as the forward's inputs read them (kv/block_table.py)
+        self.block_tables = {name: BlockTable() for name in self.pools}
+        self._free_rows: list[int] = []
+        self._rows = 0  # rows handed out so far; freed ones are reused first
         self._admitted: list[str] = []  # this step's admits that were pinned: undone if the group refuses
         self._resized: dict[str, tuple[int, int]] = {}  # this step's rebalance: each pool's (total, fence) before
 
@@ -141,6 +147,10 @@ class RankCache:
         first = seq.first if seq is not None and pool == POOL_SLIDING else 0
         return [-1] * first + self.pools[pool].table(request_id)
 
+    def row(self, request_id: str) -> int:
+        """The request's row in every pool's `block_tables`."""
+        return self._seqs[request_id].row
+
     def advance(self, chunk: Chunk) -> None:
         """The chunk was computed: hold its positions and commit the pages it filled into the index."""
         rid = chunk.request_id
@@ -153,6 +163,7 @@ class RankCache:
             first = first_page(seq.length, self.window, self.page_size)
             if first > seq.first:
                 sliding.drop_front(rid, first - seq.first)
+                self.block_tables[POOL_SLIDING].clear(seq.row, seq.first, first - seq.first)
                 seq.first = first
 
     def _commit(self, rid: str, seq: _Sequence, tokens: tuple[int, ...]) -> None:
@@ -215,6 +226,14 @@ class RankCache:
                                          f"{seq.committed} of them committed")
             if POOL_SLIDING in self.pools and seq.first != first_page(seq.length, self.window, self.page_size):
                 raise AssertionError(f"{request_id}: holds sliding pages from {seq.first} at length {seq.length}")
+            for name, table in self.block_tables.items():
+                pages = self.table(request_id, name)
+                if table.row(seq.row, len(pages)) != pages:
+                    raise AssertionError(f"{request_id}: row {seq.row} of the {name} block table is "
+                                         f"{table.row(seq.row, len(pages))}, its pages are {pages}")
+        rows = [seq.row for seq in self._seqs.values()]
+        if len(set(rows)) != len(rows) or set(rows) & set(self._free_rows):
+            raise AssertionError(f"block table rows shared: live {sorted(rows)}, free {sorted(self._free_rows)}")
 
     def _rebalance(self, plan: Plan) -> None:
         """A rebalance: every pool to its new total and fence, all or none, in a plan that carries nothing else
@@ -239,9 +258,22 @@ class RankCache:
                 pool.set_fence(min(fence[name], pool.num_pages))
 
     def _drop(self, request_id: str) -> None:
-        for pool in self.pools.values():
+        seq = self._seqs.pop(request_id, None)
+        for name, pool in self.pools.items():
+            if seq is not None:  # its row goes back blank: a later owner's columns before its own hold no page
+                self.block_tables[name].clear(seq.row, 0, (seq.first if name == POOL_SLIDING else 0) +
+                                              pool.held(request_id))
             pool.release(request_id)
-        self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._free_rows.append(seq.row)
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        self._rows += 1
+        for table in self.block_tables.values():
+            table.grow(self._rows)
+        return self._rows - 1
 
     def _release(self, plan: Plan) -> None:
         releases = [*self.pool.owners(), *self._seqs] if plan.release_all else plan.releases
@@ -257,11 +289,13 @@ class RankCache:
         length = len(keys) * self.page_size
         first = first_page(length, self.window, self.page_size) if POOL_SLIDING in self.pools else 0
         self._admitted.append(request_id)
-        for name, pool in self.pools.items():
-            pool.pin(request_id, keys[first:] if name == POOL_SLIDING else keys)
-        self._seqs[request_id] = _Sequence(
-            length=length, committed=len(keys), parent=keys[-1] if keys else None, first=first
-        )
+        pinned = {name: pool.pin(request_id, keys[first:] if name == POOL_SLIDING else keys)
+                  for name, pool in self.pools.items()}
+        seq = _Sequence(length=length, committed=len(keys), parent=keys[-1] if keys else None, first=first,
+                        row=self._take_row())
+        self._seqs[request_id] = seq
+        for name, pages in pinned.items():
+            self.block_tables[name].write(seq.row, first if name == POOL_SLIDING else 0, pages)
 
     def _reserve(self, chunk: Chunk) -> None:
         seq = self._seqs.get(chunk.request_id)
@@ -278,6 +312,6 @@ class RankCache:
             raise StepRefused(f"request {chunk.request_id}: position {end} is past the model's context")
         pages = pages_for(end, self.page_size)
         for name, pool in self.pools.items():
-            need = pages - pool.held(chunk.request_id) - (seq.first if name == POOL_SLIDING else 0)
-            if need > 0:
-                pool.allocate(chunk.request_id, need)
+            held = pool.held(chunk.request_id) + (seq.first if name == POOL_SLIDING else 0)
+            if pages > held:
+                self.block_tables[name].write(seq.row, held, pool.allocate(chunk.request_id, pages - held))

@@ -1,0 +1,371 @@
+"""What attention needs to find each sequence's keys in the page pool, built once per step per KV pool.
+
+`AttentionBatch` flattens a mixed batch of prefill chunks and decode tokens (no padding) and reads each
+sequence's pages off a block table (`kv.block_table.BlockTable`: one row per request, kept by the RankCache as
+pages change), so a step's inputs are index arithmetic, not a page table per request. Its decode rows are
+gathered in groups of like length (`single_gathers`), each group one padded attention call.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+
+from lockstep.device import attention_call_tokens
+from lockstep.kv.paging import first_page, pages_for
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    positions: torch.Tensor  # [T] position of every new token
+    slot_mapping: torch.Tensor  # [T] page * page_size + offset where its k/v is written
+    last_token_indices: torch.Tensor  # [S] flat index of each sequence's last new token
+    page_size: int
+    starts: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    # [S, W] each sequence's pages by position, W the most any of them needs; only its pages [first its window
+    # reads, pages_for(start + n)) are read, the rest may be anything (another request's, or -1)
+    tables: torch.Tensor
+    slot_bounds: tuple[int, int]  # the least and the greatest slot written, checked against the cache
+    single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
+    _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+    @cached_property
+    def token_rows(self) -> tuple[int, ...]:
+        """Where each sequence's tokens start in the flat batch, on the host."""
+        return tuple(accumulate(self.query_lens[:-1], initial=0))
+
+    @cached_property
+    def query_offsets(self) -> torch.Tensor:
+        """[S + 1] where each sequence's tokens start in the flat batch (for kernels; the CPU path needs none)."""
+        return _on(self.positions, [*self.token_rows, self.num_tokens])
+
+    @cached_property
+    def kv_lens(self) -> torch.Tensor:
+        """[S] tokens each sequence attends over after this step (start + n)."""
+        return _on(self.positions, [s + n for s, n in zip(self.starts, self.query_lens, strict=True)])
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """[S, W] page tables padded with -1 past each sequence's pages, for kernels: made on first use."""
+        needed = _on(self.tables, [pages_for(s + n, self.page_size)
+                                   for s, n in zip(self.starts, self.query_lens, strict=True)])
+        cols = torch.arange(self.tables.shape[1], device=self.tables.device)
+        return self.tables.masked_fill(cols >= needed.unsqueeze(1), -1)
+
+    def pages(self, i: int) -> torch.Tensor:
+        """Sequence i's pages covering positions [0, start + n)."""
+        return self.tables[i, :pages_for(self.starts[i] + self.query_lens[i], self.page_size)]
+
+    @classmethod
+    def build(
+        cls,
+        spans: Sequence[tuple[int, int, Sequence[int]]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+        window: int | None = None,
+    ) -> AttentionBatch:
+        """spans: (start, n, page table covering positions [0, start + n)) per sequence, in batch order.
+
+        With a `window` (a sliding pool's batch), pages before the first one the window reads may be -1.
+        Each table is checked, since here they come from the caller; the engine's come from its RankCache,
+        which keeps them (`from_table`).
+        """
+        if page_size < 1:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if not spans:
+            raise ValueError("an attention batch needs at least one sequence")
+        tables = [_span_table(i, start, n, table, page_size, first_page(start, window, page_size))
+                  for i, (start, n, table) in enumerate(spans)]
+        host = _on("cpu", _padded(tables, -1)).view(len(tables), -1)
+        return cls.from_table(host, range(len(spans)), [s for s, _, _ in spans], [n for _, n, _ in spans],
+                              page_size, device)
+
+    @classmethod
+    def from_table(
+        cls,
+        table: torch.Tensor,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        lens: Sequence[int],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionBatch:
+        """Sequence i runs positions [starts[i], starts[i] + lens[i]) with the pages of row rows[i] of `table`
+        (a host [R, C] tensor of page ids by position: `kv.block_table.BlockTable`, which covers them).
+
+        This runs every step: a sequence costs a few list appends, the rest is index arithmetic on the table
+        on the host, and the batch goes to the device in one copy.
+        """
+        if not rows:
+            raise ValueError("an attention batch needs at least one sequence")
+        positions: list[int] = []
+        seqs: list[int] = []
+        lasts: list[int] = []
+        singles: list[int] = []
+        for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
+            if n == 1:
+                singles.append(i)
+                positions.append(start)
+                seqs.append(i)
+            else:
+                positions.extend(range(start, start + n))
+                seqs.extend([i] * n)
+            lasts.append(len(positions) - 1)
+        width = pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size)
+        if width > table.shape[1]:
+            raise ValueError(f"positions up to {width * page_size} need {width} pages; the table has {table.shape[1]}")
+        t, s = len(positions), len(lasts)
+        host = _on("cpu", positions + seqs + lasts + list(rows))
+        pos, rows_t = host[:t], host[2 * t + s:]
+        tables = table[:, :width].index_select(0, rows_t)
+        slots = tables[host[t:2 * t], pos // page_size] * page_size + pos % page_size
+        lo, hi = slots.aminmax()
+        parts = _to_device([pos, slots, host[2 * t:2 * t + s], tables], device)
+        return cls(positions=parts[0], slot_mapping=parts[1], last_token_indices=parts[2], page_size=page_size,
+                   starts=tuple(starts), query_lens=tuple(lens), tables=parts[3], slot_bounds=(int(lo), int(hi)),
+                   single_seqs=tuple(singles))
+
+    def single_gathers(self, window: int | None) -> tuple[_SingleGather, ...]:
+        """The one-token sequences in groups of like KV length, for layers of this window; made once per step.
+
+        Each group is one padded gather and one attention call, so padding costs gathered bytes and a group
+        costs a call: `_length_groups` weighs the two, so mixed lengths are one call or a few, and one very
+        long sequence among short ones does not make every row as long as it.
+        """
+        groups = self._gathers.get(window)
+        if groups is None:
+            ps = self.page_size
+            lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
+            pages = {i: pages_for(self.starts[i] + 1, ps) - lo[i] // ps for i in self.single_seqs}
+            call = GROUP_CALL_TOKENS or attention_call_tokens(self.tables.device)
+            members = _length_groups(pages, max(1, call // ps))
+            groups = _SingleGather.build_all(self, [sorted(m) for m in members], window)
+            self._gathers[window] = groups
+        return groups
+
+
+GROUP_CALL_TOKENS = 0  # what one more attention call costs, in gathered key slots; 0: the device's own
+
+
+def _length_groups(pages: Mapping[int, int], call_pages: int) -> list[list[int]]:
+    """Sequences (id -> pages) in groups, longest first, minimising padded pages + call_pages per group.
+
+    Groups are runs of the sequences sorted by length; a DP over the distinct lengths finds the best cuts
+    (quadratic in them, so past 32 only every k-th is a candidate: a big batch's plan stays cheap).
+    """
+    order = sorted(pages, key=lambda i: -pages[i])
+    cuts = [j for j in range(len(order)) if j == 0 or pages[order[j]] != pages[order[j - 1]]]
+    cuts = cuts[::-(-len(cuts) // 32)] + [len(order)]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)  # best[c]: rows before cuts[c] grouped
+    back = [0] * len(cuts)
+    for c in range(1, len(cuts)):
+        for b in range(c):
+            cost = best[b] + (cuts[c] - cuts[b]) * pages[order[cuts[b]]] + call_pages
+            if cost < best[c]:
+                best[c], back[c] = cost, b
+    members, c = [], len(cuts) - 1
+    while c > 0:
+        members.append(order[cuts[back[c]]: cuts[c]])
+        c = back[c]
+    return members[::-1]
+
+
+def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int, first: int) -> tuple[int, ...]:
+    """Sequence i's pages covering positions [0, start + n), checked from page `first` on (the first its
+    window reads): a bad table must fail here, not index another sequence's k/v."""
+    if start < 0 or n < 1:
+        raise ValueError(f"sequence {i}: start must be >= 0 and n >= 1, got start={start} n={n}")
+    needed = pages_for(start + n, page_size)
+    if len(table) < needed:
+        raise ValueError(
+            f"sequence {i}: page table has {len(table)} pages but positions [0, {start + n}) "
+            f"need {needed} of {page_size} tokens")
+    table = tuple(table[:needed])
+    if first < needed and min(table[first:]) < 0:
+        raise ValueError(f"sequence {i}: negative page id in its page table {table[first:]}")
+    return table
+
+
+def _on(where: torch.device | str | torch.Tensor, values: list[int]) -> torch.Tensor:
+    """A long tensor of `values` on a device (or on a tensor's), in one host-to-device copy. Through an
+    array: torch.tensor of a list of ints costs 3x more, and a step's page tables hold tens of thousands."""
+    device = torch.device(where.device if isinstance(where, torch.Tensor) else where)
+    host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+    return host if device.type == "cpu" else host.to(device)
+
+
+def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors on `device`, in one copy (views of one buffer there); as they are on the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return parts
+    flat = torch.cat([p.reshape(-1) for p in parts]).to(device)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at:at + p.numel()].view(p.shape))
+        at += p.numel()
+    return out
+
+
+def _padded(tables: Sequence[Sequence[int]], fill: int) -> list[int]:
+    """The tables, each padded with `fill` to the longest, as one flat row-major list."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [fill] * (width - len(t))
+    return flat
+
+
+class _Masks:
+    """A step's decode masks, one row per sequence as wide as the widest group's; each group's a view of its
+    rows, and the biases per dtype made in one go."""
+
+    def __init__(self, full: torch.Tensor, groups: list[tuple[int, int]]) -> None:
+        self.groups = groups  # (rows, slots) of every group, in row order
+        self.masks = self._split(full)
+        self._full = full
+        self._biases: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    @classmethod
+    def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
+              ) -> _Masks | None:
+        """Row r sees slots [lows[r], ends[r]) (without a window, all before its end); groups: (rows, slots)
+        each, 0 slots for one needing no mask."""
+        width = max(h for _, h in groups)
+        if not width:
+            return None
+        slot = torch.arange(width, device=ends.device)
+        mask = slot < ends.unsqueeze(1)
+        if window is not None:
+            mask &= slot >= lows.unsqueeze(1)
+        return cls(mask, groups)
+
+    def _split(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [c[:, None, None, :h] for c, (_, h) in zip(full.split([k for k, _ in self.groups]), self.groups,
+                                                          strict=True)]
+
+    def bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """Group i's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
+        made = self._biases.get(dtype)
+        if made is None:
+            zeros = torch.zeros(self._full.shape, dtype=dtype, device=self._full.device)
+            made = self._biases[dtype] = self._split(zeros.masked_fill_(~self._full, float("-inf")))
+        return made[i]
+
+
+@dataclass(frozen=True)
+class _SingleGather:
+    """Pages to gather for a group of one-token sequences, padded to one width, and which slots each sees.
+
+    Padding only over KV length: each sequence reads its own pages (from the first its window reaches),
+    the rest of its row is page 0, masked out, so one SDPA call serves the group. A lone sequence needs
+    no mask: its keys are sliced to exactly the positions it sees.
+    """
+
+    rows: torch.Tensor | None  # [S1] flat index of each sequence's query; None: the whole batch in order
+    pages: torch.Tensor  # [S1, P] page ids
+    keep: slice  # gathered slots that hold keys some query sees
+    masks: _Masks | None = None  # the step's masks; this group's is masks.masks[mask_index]
+    mask_index: int = -1
+    _made: dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[S1, 1, 1, kept slots] True where the query may look; None for a lone sequence."""
+        return None if self.masks is None else self.masks.masks[self.mask_index]
+
+    def buffer(self, name: str, cache: torch.Tensor) -> torch.Tensor:
+        """Where `name` (k or v) pages are gathered: allocated on the first layer, reused by all others."""
+        key = (name, cache.dtype, cache.device)
+        buf = self._made.get(key)
+        if buf is None:
+            buf = self._made[key] = cache.new_empty((self.pages.numel(), *cache.shape[1:]))
+        return buf
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as 0 / -inf in the queries' dtype."""
+        return None if self.masks is None else self.masks.bias(self.mask_index, dtype)
+
+    @classmethod
+    def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None
+                  ) -> tuple[_SingleGather, ...]:
+        """Every group's pages and mask from the batch's tables in a few tensor operations over all of them,
+        each group's a view (a step at batch 256 has a score of groups; slicing each out on its own cost
+        more than its attention). Positions are counted from each sequence's first gathered page."""
+        order = [i for m in groups for i in m]
+        firsts, counts, lows, ends = _decode_spans(batch, order, window)
+        spans = _group_spans([len(m) for m in groups], counts, ends)
+        n = len(order)
+        whole = len(groups) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
+        rows = [] if whole else [batch.token_rows[i] for i in order]
+        widths = [w for _, k, w, _ in spans for _ in range(k)]
+        flat = _on(batch.tables, order + firsts + counts + lows + ends + widths + rows)
+        order_t, firsts_t, counts_t, lows_t, ends_t, widths_t = flat[:6 * n].view(6, n)
+        pages = _padded_pages(batch.tables.index_select(0, order_t), firsts_t, counts_t, widths_t, sum(widths), window)
+        masks = _Masks.build(ends_t, lows_t, [(k, h) for _, k, _, h in spans], window)
+        rows_t = None if whole else flat[6 * n:]
+        out = []
+        for i, ((a, k, w, h), g_pages) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
+                                                        strict=True)):
+            g_rows = None if whole else rows_t[a:a + k]
+            if h:
+                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(0, h), masks=masks, mask_index=i))
+            else:
+                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(lows[a], ends[a])))
+        return tuple(out)
+
+
+def _padded_pages(picked: torch.Tensor, firsts: torch.Tensor, counts: torch.Tensor, widths: torch.Tensor,
+                  total: int, window: int | None) -> torch.Tensor:
+    """Row r's pages `firsts[r]`.. (`counts[r]` of them, then page 0 up to `widths[r]`: padding, masked out),
+    the rows laid out one after another; without a window every row's first is 0."""
+    row, col = _ragged(widths, total)
+    taken = col if window is None else (col + torch.index_select(firsts, 0, row)).clamp_(max=picked.shape[1] - 1)
+    return torch.index_select(picked.view(-1), 0, row * picked.shape[1] + taken).masked_fill_(
+        col >= torch.index_select(counts, 0, row), 0)
+
+
+def _group_spans(sizes: list[int], counts: list[int], ends: list[int]) -> list[tuple[int, int, int, int]]:
+    """Per group of `sizes[g]` rows: (its first row, its rows, pages wide, slots its mask spans: 0 for a lone
+    row, which needs no mask)."""
+    spans, a = [], 0
+    for k in sizes:
+        spans.append((a, k, max(counts[a:a + k]), max(ends[a:a + k]) if k > 1 else 0))
+        a += k
+    return spans
+
+
+def _decode_spans(batch: AttentionBatch, seqs: list[int], window: int | None
+                  ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per one-token sequence: the first page it gathers (the first its window reaches), how many pages from
+    there, and the slots [low, end) it sees among them."""
+    ps = batch.page_size
+    ends = [batch.starts[i] + 1 for i in seqs]
+    lows = [0 if window is None else max(0, e - window) for e in ends]
+    firsts = [lo // ps for lo in lows]
+    counts = [pages_for(e, ps) - f for e, f in zip(ends, firsts, strict=True)]
+    return (firsts, counts, [lo - f * ps for lo, f in zip(lows, firsts, strict=True)],
+            [e - f * ps for e, f in zip(ends, firsts, strict=True)])
+
+
+def _ragged(widths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every cell of rows `widths[r]` wide, laid out one row after another."""
+    row = torch.repeat_interleave(torch.arange(widths.shape[0], device=widths.device), widths, output_size=total)
+    starts = torch.cumsum(widths, 0) - widths
+    return row, torch.arange(total, device=widths.device) - starts[row]
