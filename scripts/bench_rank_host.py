@@ -9,13 +9,15 @@ plans (every chunk pending, as with overlap) and times each part of the step in 
 
 - prepare: `RankCache.prepare` (releases, admits, each chunk's pages);
 - resolve: the pending tokens put into the chunks;
-- inputs: the token ids and each pool's `AttentionBatch` (read off the block table);
-- gathers: the decode rows' groups, pages and masks, as the first attention layer builds them;
+- inputs: the token ids and each pool's `AttentionBatch` (read off the block table) with its decode rows'
+  groups, pages and masks (what the attention layers then read);
 - draw: the benchmark's stand-in for sampling (not serving work; listed so the sum adds up);
 - advance: each chunk's positions held and full pages committed to the prefix index;
 - finish: the probe answers and pool counts of the report.
 
-Torch runs on one thread, as a rank process of `lockstep serve` on a small machine does.
+Torch runs on one thread, as a rank process of `lockstep serve` on a small machine does. `--call-tokens`
+groups the decode rows as another device would (`device.attention_call_tokens`: 16384 on a GPU, where a call
+costs launches, not gathered slots): the host's share of a GPU step, measured on this CPU.
 """
 
 from __future__ import annotations
@@ -29,20 +31,24 @@ import torch
 
 from lockstep.bench.control_plane_rank import FIRST_TOKEN, NoopForwardEngine
 from lockstep.engine import _resolved
-from lockstep.kv.paging import pool_window
+from lockstep.model import attention_batch
 from lockstep.steps import PENDING_TOKEN, Admit, Chunk, Plan, SamplingParams
 
-PARTS = ("prepare", "resolve", "inputs", "gathers", "draw", "advance", "finish")
+PARTS = ("prepare", "resolve", "inputs", "draw", "advance", "finish")
 
 
-def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, page_size: int, seed: int
-        ) -> dict[str, float]:
-    """Median ms per part (and `step`, their sum) over `steps` decode steps at `batch`."""
+def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, page_size: int, seed: int,
+        long: int = 0) -> dict[str, float]:
+    """Median ms per part (and `step`, their sum) over `steps` decode steps at `batch`; with `long`, one of the
+    requests has a prompt that long."""
     rng = random.Random(seed)
-    pages = batch * (-(-(max_prompt + steps + warmup + 1) // page_size)) + 16
-    engine = NoopForwardEngine.build(0, 1, "", page_size, pages, 32000, max_prompt + steps + warmup + 16)
-    params = SamplingParams()
     lengths = {f"r{i}": rng.randint(min_prompt, max_prompt) for i in range(batch)}
+    if long:
+        lengths["r0"] = long
+    longest = max(lengths.values()) + steps + warmup + 16
+    pages = sum(-(-(n + steps + warmup + 1) // page_size) for n in lengths.values()) + 16
+    engine = NoopForwardEngine.build(0, 1, "", page_size, pages, 32000, longest)
+    params = SamplingParams()
     prefill = Plan(0, admits=tuple(Admit(r) for r in lengths), batch=tuple(
         Chunk(r, tuple(rng.randrange(FIRST_TOKEN, 32000) for _ in range(n)), 0, True, params, 0)
         for r, n in lengths.items()))
@@ -61,10 +67,7 @@ def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, p
             raise RuntimeError(error)
         chunks = _resolved(plan, drawn).batch
         marks.append(time.perf_counter())
-        _, attn = engine._inputs(chunks)
-        marks.append(time.perf_counter())
-        for name, pool_batch in attn.items():
-            pool_batch.single_gathers(pool_window(name, engine.cache.window))
+        engine._inputs(chunks)
         marks.append(time.perf_counter())
         engine.drawn = {c.request_id: engine._draw(c, c.sample_index) for c in chunks}
         marks.append(time.perf_counter())
@@ -90,12 +93,17 @@ def main() -> None:
     p.add_argument("--max-prompt", type=int, default=1200)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long", type=int, default=0, help="one request with a prompt this long among the others")
+    p.add_argument("--call-tokens", type=int, default=0,
+                   help="what a decode attention call costs in key slots (default: this device's own)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    attention_batch.GROUP_CALL_TOKENS = args.call_tokens
     print("rank host work per decode step (median ms, one process, no-op forward)")
     print(f"{'batch':>6}" + "".join(f"{part:>10}" for part in (*PARTS, "step")))
     for batch in (int(b) for b in args.batch.split(",")):
-        row = run(batch, args.steps, args.warmup, args.min_prompt, args.max_prompt, args.page_size, args.seed)
+        row = run(batch, args.steps, args.warmup, args.min_prompt, args.max_prompt, args.page_size, args.seed,
+                  args.long)
         print(f"{batch:>6}" + "".join(f"{row[part]:>10.3f}" for part in (*PARTS, "step")))
 
 

@@ -135,10 +135,10 @@ def test_a_steps_tables_are_rows_of_one_table_and_read_only_as_far_as_each_seque
         want = run_case(spans, 4, 2, window, seed=5)
         gen = torch.Generator().manual_seed(1)
         rows = torch.randperm(len(spans) + 5, generator=gen)[:len(spans)].tolist()
-        table = torch.randint(-5, 10**6, (len(spans) + 5, want.tables.shape[1] + 3), generator=gen)
+        table = torch.randint(-5, 10**6, (len(spans) + 5, want.block_tables.shape[1] + 3), generator=gen)
         for i, (s, n) in enumerate(spans):
             need = math.ceil((s + n) / 4)
-            table[rows[i], :need] = want.tables[i, :need]
+            table[rows[i], :need] = want.block_tables[i, :need]
         got = AttentionBatch.from_table(table, rows, [s for s, _ in spans], [n for _, n in spans], 4)
         assert got.slot_mapping.tolist() == want.slot_mapping.tolist()
         assert got.block_tables.tolist() == want.block_tables.tolist()
@@ -147,7 +147,8 @@ def test_a_steps_tables_are_rows_of_one_table_and_read_only_as_far_as_each_seque
             assert (g.mask is None and w.mask is None) or torch.equal(g.mask, w.mask)
         assert min(int(g.pages.min()) for g in got.single_gathers(window)) >= 0
     assert want.kv_lens.tolist() == [s + n for s, n in spans]
-    assert want.block_tables[15].tolist() == want.tables[15, :3].tolist() + [-1] * (want.tables.shape[1] - 3)
+    width = want.block_tables.shape[1]
+    assert want.block_tables[15].tolist() == want.table[want.rows[15], :3].tolist() + [-1] * (width - 3)
 
 
 def test_a_device_batch_is_one_copy():
@@ -169,3 +170,30 @@ def test_a_gpu_groups_decode_rows_into_fewer_calls_than_the_cpu():
     pages = {i: 1 + i * 3 for i in range(40)}  # 1..118 pages of 16 tokens
     assert len(_length_groups(pages, gpu // 16)) <= 2 < len(_length_groups(pages, cpu // 16))
     assert _length_groups({**{i: 2 for i in range(255)}, 255: 2048}, gpu // 16)[0] == [255]
+
+
+def test_a_very_long_sequence_is_alone_even_among_many_distinct_lengths():
+    """Past 32 distinct lengths the grouping only cuts at some of them; a long outlier must still be a group of
+    its own (with others, every one of them is padded to it, and the step's mask is as wide as it: 33 MB and
+    60 ms a step at batch 256 with one 128k-token request)."""
+    pages = {i: 7 + i for i in range(200)}  # 200 distinct lengths
+    pages[200] = 8192
+    groups = _length_groups(pages, call_pages=16)
+    assert groups[0] == [200]
+    assert sorted(i for g in groups for i in g) == sorted(pages)
+    starts = [16 * p - 1 for p in pages.values()]
+    batch = AttentionBatch.build([(s, 1, list(range(1, -(-(s + 1) // 16) + 1))) for s in starts], 16)
+    masks = [g.mask for g in batch.single_gathers(None) if g.mask is not None]
+    assert max(m.untyped_storage().nbytes() for m in masks) <= len(starts) * 16 * 210
+
+
+def test_a_long_group_among_short_ones_gets_its_own_mask():
+    """Two long rows (one group) among many short ones: one mask as wide as the long ones for every row would
+    be far more than the groups need; each group then gets its own, and every answer is still exact."""
+    spans = [(s, 1) for s in (7000, 6990)] + [(s, 1) for s in range(3, 400, 3)]
+    for window in (None, 3000):
+        batch = run_case(spans, 4, 2, window, page_size=16)
+        masks = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes()
+                 for g in batch.single_gathers(window) if (m := g.mask) is not None}
+        assert len(masks) >= 2 and sum(masks.values()) < 2 * 7001 + len(spans) * 400
+        assert all(int(g.pages.min()) >= 0 for g in batch.single_gathers(window))

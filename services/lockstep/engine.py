@@ -28,7 +28,7 @@ from lockstep.device import pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
-from lockstep.kv.paging import POOL_SLIDING
+from lockstep.kv.paging import POOL_SLIDING, pool_window
 from lockstep.kv.rank_cache import RankCache, StepRefused
 from lockstep.model.attention_batch import AttentionBatch
 from lockstep.model.config import ModelConfig
@@ -217,16 +217,20 @@ class Engine:
         rows = [self.cache.row(c.request_id) for c in batch]
         starts = [c.start for c in batch]
         lens = [len(c.token_ids) for c in batch]
-        return ids, {name: AttentionBatch.from_table(self._host_table(name), rows, starts, lens, self.cache.page_size,
-                                                     self.device)
-                     for name in self.cache.pools}
+        batches = {name: AttentionBatch.from_table(self._host_table(name), rows, starts, lens, self.cache.page_size,
+                                                   self.device)
+                   for name in self.cache.pools}
+        for name, batch in batches.items():  # here, not in the first layer: a GPU's copies stay out of the forward
+            if batch.single_seqs:
+                batch.single_gathers(pool_window(name, self.cache.window))
+        return ids, batches
 
     def _host_table(self, pool: str) -> torch.Tensor:
         """The pool's block table as a host tensor on its array (no copy), made again when the table grew."""
         table = self.cache.block_tables[pool]
         made = self._tables.get(pool)
         if made is None or made[0] is not table.data:
-            made = self._tables[pool] = (table.data, torch.frombuffer(table.data, dtype=torch.long).view(
+            made = self._tables[pool] = (table.data, torch.frombuffer(table.data, dtype=torch.int32).view(
                 table.rows, table.cols))
         return made[1]
 

@@ -5,7 +5,7 @@
 It is `lockstep rank` (`rank.main.run`: the real RankServer, RankServicer and StepGate) with one thing
 swapped: `NoopForwardEngine`, whose forward returns a token per sampling chunk without running a model.
 Everything else a GPU rank does on the host per step is real: the plan's deserialization, the forward's inputs
-(token ids, each pool's attention batch and its decode gathers, as the first layer builds them), the RankCache's
+(token ids, each pool's attention batch and its decode gathers), the RankCache's
 releases, pins, allocations, commits and probe answers, the group's agreement all-reduce (over gloo at TP > 1
 unless `--no-agreement`), the per-draw seeds of rows that draw, the report and its serialization. So the step time the
 coordinator sees is the control plane's own, which on a GPU sits next to a forward of a few milliseconds.
@@ -32,7 +32,7 @@ import torch
 from lockstep.engine import Engine, sample_seed
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
-from lockstep.kv.paging import POOL_FULL, pool_window
+from lockstep.kv.paging import POOL_FULL
 from lockstep.kv.rank_cache import RankCache
 from lockstep.model.config import ModelConfig
 from lockstep.model.kv_cache import KVCache
@@ -105,10 +105,7 @@ class NoopForwardEngine(Engine):
         return FIRST_TOKEN + mixed % (self.config.vocab_size - FIRST_TOKEN)
 
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
-        _, attn = self._inputs(batch)  # the forward's inputs, built as for a model: the host's share of a step
-        for name, pool_batch in attn.items():
-            if pool_batch.single_seqs:
-                pool_batch.single_gathers(pool_window(name, self.cache.window))
+        self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
         sampled = tuple(Sampled(c.request_id, self._draw(c, c.sample_index)) for c in batch if c.sample)
         for chunk in batch:
             self.cache.advance(chunk)

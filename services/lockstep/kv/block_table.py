@@ -20,17 +20,18 @@ from array import array
 from collections.abc import Sequence
 
 NO_PAGE = -1
+TYPECODE = "i"  # int32, as vLLM's block tables: half the bytes of int64, and page ids are far below 2**31
 
 
 class BlockTable:
-    """Rows of page ids (int64), one per live request; as many rows as requests were live at once, and as many
+    """Rows of page ids (int32), one per live request; as many rows as requests were live at once, and as many
     columns as the longest of them needed (both grow, so a long max_model_len reserves nothing up front)."""
 
     def __init__(self, rows: int = 16, cols: int = 64) -> None:
         if cols < 1 or rows < 1:
             raise ValueError(f"a block table needs at least one row and one column, got {rows} x {cols}")
         self.rows, self.cols = rows, cols
-        self.data = array("q", [NO_PAGE]) * (rows * cols)
+        self.data = array(TYPECODE, [NO_PAGE]) * (rows * cols)
 
     def grow(self, rows: int, cols: int = 0) -> None:
         """At least `rows` rows and `cols` columns: a new array (each at least doubled), the old rows copied in."""
@@ -38,7 +39,7 @@ class BlockTable:
             return
         new_rows = max(rows, 2 * self.rows) if rows > self.rows else self.rows
         new_cols = max(cols, 2 * self.cols) if cols > self.cols else self.cols
-        data = array("q", [NO_PAGE]) * (new_rows * new_cols)
+        data = array(TYPECODE, [NO_PAGE]) * (new_rows * new_cols)
         for r in range(self.rows):
             data[r * new_cols: r * new_cols + self.cols] = self.data[r * self.cols: (r + 1) * self.cols]
         self.data, self.rows, self.cols = data, new_rows, new_cols
@@ -51,7 +52,7 @@ class BlockTable:
             raise IndexError(f"block table of {self.rows} rows: cannot write at row {row}, column {col}")
         self.grow(self.rows, col + len(pages))
         at = row * self.cols + col
-        self.data[at: at + len(pages)] = array("q", pages)
+        self.data[at: at + len(pages)] = array(TYPECODE, pages)
 
     def clear(self, row: int, col: int, n: int) -> None:
         """No page in columns [col, col + n) of `row` (a window moved past them, or a row handed out anew)."""

@@ -9,7 +9,7 @@ gathered in groups of like length (`single_gathers`), each group one padded atte
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
@@ -28,9 +28,11 @@ class AttentionBatch:
     page_size: int
     starts: tuple[int, ...]
     query_lens: tuple[int, ...]
-    # [S, W] each sequence's pages by position, W the most any of them needs; only its pages [first its window
-    # reads, pages_for(start + n)) are read, the rest may be anything (another request's, or -1)
-    tables: torch.Tensor
+    # [R, C] the host block table the pages are read from, row rows[i] sequence i's pages by position. It is
+    # read while the step runs (RankCache writes it only between steps), and only as far as each sequence
+    # reaches: past that a row may hold anything (another request's pages, or -1)
+    table: torch.Tensor
+    rows: tuple[int, ...]
     slot_bounds: tuple[int, int]  # the least and the greatest slot written, checked against the cache
     single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
     _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
@@ -61,15 +63,24 @@ class AttentionBatch:
 
     @cached_property
     def block_tables(self) -> torch.Tensor:
-        """[S, W] page tables padded with -1 past each sequence's pages, for kernels: made on first use."""
-        needed = _on(self.tables, [pages_for(s + n, self.page_size)
-                                   for s, n in zip(self.starts, self.query_lens, strict=True)])
-        cols = torch.arange(self.tables.shape[1], device=self.tables.device)
-        return self.tables.masked_fill(cols >= needed.unsqueeze(1), -1)
+        """[S, W] page tables padded with -1 past each sequence's pages, W the most any needs: for kernels,
+        made on first use (one very long sequence makes every row as wide)."""
+        needed = [pages_for(s + n, self.page_size) for s, n in zip(self.starts, self.query_lens, strict=True)]
+        host = self.table.index_select(0, _on("cpu", list(self.rows)))[:, :max(needed)]
+        cols = torch.arange(host.shape[1])
+        return host.masked_fill(cols >= _on("cpu", needed).unsqueeze(1), -1).to(self.positions.device)
+
+    @cached_property
+    def _multi_pages(self) -> dict[int, torch.Tensor]:
+        """The pages of each multi-token sequence (prefill chunks), on the device in one copy."""
+        multis = [i for i, n in enumerate(self.query_lens) if n > 1]
+        parts = [self.table[self.rows[i], :pages_for(self.starts[i] + self.query_lens[i], self.page_size)]
+                 for i in multis]
+        return dict(zip(multis, _to_device(parts, self.positions.device), strict=True))
 
     def pages(self, i: int) -> torch.Tensor:
-        """Sequence i's pages covering positions [0, start + n)."""
-        return self.tables[i, :pages_for(self.starts[i] + self.query_lens[i], self.page_size)]
+        """Sequence i's pages covering positions [0, start + n) (a multi-token sequence's)."""
+        return self._multi_pages[i]
 
     @classmethod
     def build(
@@ -113,32 +124,33 @@ class AttentionBatch:
         """
         if not rows:
             raise ValueError("an attention batch needs at least one sequence")
+        cols = table.shape[1]
+        if pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size) > cols:
+            raise ValueError(f"positions up to {max(s + n for s, n in zip(starts, lens, strict=True))} need more "
+                             f"than the table's {cols} pages")
         positions: list[int] = []
-        seqs: list[int] = []
+        cells: list[int] = []  # where each token's page is in the flat table
         lasts: list[int] = []
         singles: list[int] = []
-        for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
+        for i, (start, n, row) in enumerate(zip(starts, lens, rows, strict=True)):
+            at = row * cols
             if n == 1:
                 singles.append(i)
                 positions.append(start)
-                seqs.append(i)
+                cells.append(at + start // page_size)
             else:
                 positions.extend(range(start, start + n))
-                seqs.extend([i] * n)
+                cells.extend(at + p // page_size for p in range(start, start + n))
             lasts.append(len(positions) - 1)
-        width = pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size)
-        if width > table.shape[1]:
-            raise ValueError(f"positions up to {width * page_size} need {width} pages; the table has {table.shape[1]}")
-        t, s = len(positions), len(lasts)
-        host = _on("cpu", positions + seqs + lasts + list(rows))
-        pos, rows_t = host[:t], host[2 * t + s:]
-        tables = table[:, :width].index_select(0, rows_t)
-        slots = tables[host[t:2 * t], pos // page_size] * page_size + pos % page_size
+        t = len(positions)
+        host = _on("cpu", positions + cells + lasts)
+        pos = host[:t]
+        slots = table.reshape(-1).index_select(0, host[t:2 * t]).long() * page_size + pos % page_size
         lo, hi = slots.aminmax()
-        parts = _to_device([pos, slots, host[2 * t:2 * t + s], tables], device)
+        parts = _to_device([pos, slots, host[2 * t:]], device)
         return cls(positions=parts[0], slot_mapping=parts[1], last_token_indices=parts[2], page_size=page_size,
-                   starts=tuple(starts), query_lens=tuple(lens), tables=parts[3], slot_bounds=(int(lo), int(hi)),
-                   single_seqs=tuple(singles))
+                   starts=tuple(starts), query_lens=tuple(lens), table=table, rows=tuple(rows),
+                   slot_bounds=(int(lo), int(hi)), single_seqs=tuple(singles))
 
     def single_gathers(self, window: int | None) -> tuple[_SingleGather, ...]:
         """The one-token sequences in groups of like KV length, for layers of this window; made once per step.
@@ -152,7 +164,7 @@ class AttentionBatch:
             ps = self.page_size
             lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
             pages = {i: pages_for(self.starts[i] + 1, ps) - lo[i] // ps for i in self.single_seqs}
-            call = GROUP_CALL_TOKENS or attention_call_tokens(self.tables.device)
+            call = GROUP_CALL_TOKENS or attention_call_tokens(self.positions.device)
             members = _length_groups(pages, max(1, call // ps))
             groups = _SingleGather.build_all(self, [sorted(m) for m in members], window)
             self._gathers[window] = groups
@@ -166,11 +178,13 @@ def _length_groups(pages: Mapping[int, int], call_pages: int) -> list[list[int]]
     """Sequences (id -> pages) in groups, longest first, minimising padded pages + call_pages per group.
 
     Groups are runs of the sequences sorted by length; a DP over the distinct lengths finds the best cuts
-    (quadratic in them, so past 32 only every k-th is a candidate: a big batch's plan stays cheap).
+    (quadratic in them, so past 32 only every k-th is a candidate: a big batch's plan stays cheap), and
+    wherever the length halves (at most a score of those), so an outlier is never padded with others.
     """
     order = sorted(pages, key=lambda i: -pages[i])
-    cuts = [j for j in range(len(order)) if j == 0 or pages[order[j]] != pages[order[j - 1]]]
-    cuts = cuts[::-(-len(cuts) // 32)] + [len(order)]
+    distinct = [j for j in range(len(order)) if j == 0 or pages[order[j]] != pages[order[j - 1]]]
+    halves = {j for a, j in zip(distinct, distinct[1:], strict=False) if 2 * pages[order[j]] < pages[order[a]]}
+    cuts = sorted({*distinct[::-(-len(distinct) // 32)], *halves}) + [len(order)]
     best = [0.0] + [float("inf")] * (len(cuts) - 1)  # best[c]: rows before cuts[c] grouped
     back = [0] * len(cuts)
     for c in range(1, len(cuts)):
@@ -233,14 +247,14 @@ def _padded(tables: Sequence[Sequence[int]], fill: int) -> list[int]:
 
 
 class _Masks:
-    """A step's decode masks, one row per sequence as wide as the widest group's; each group's a view of its
-    rows, and the biases per dtype made in one go."""
+    """A step's decode masks: one [rows, slots] tensor per block of groups, each group's mask a view of its
+    rows; the biases per dtype made a block at a time. One block is as wide as its widest group, so the
+    groups share one block only when that wastes little (a long group among short ones gets its own)."""
 
-    def __init__(self, full: torch.Tensor, groups: list[tuple[int, int]]) -> None:
-        self.groups = groups  # (rows, slots) of every group, in row order
-        self.masks = self._split(full)
-        self._full = full
-        self._biases: dict[torch.dtype, list[torch.Tensor]] = {}
+    def __init__(self, blocks: list[tuple[torch.Tensor, list[tuple[int, int, int]]]]) -> None:
+        self.blocks = blocks  # (mask, (group, rows, slots) of each group it holds, in row order)
+        self.masks = self._split_all(lambda full: full)
+        self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
 
     @classmethod
     def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
@@ -250,23 +264,38 @@ class _Masks:
         width = max(h for _, h in groups)
         if not width:
             return None
+        if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
+            return cls([(cls._mask(ends, lows, width, window), [(g, k, h) for g, (k, h) in enumerate(groups)])])
+        blocks, a = [], 0
+        for g, (k, h) in enumerate(groups):
+            if h:
+                blocks.append((cls._mask(ends[a:a + k], lows[a:a + k], h, window), [(g, k, h)]))
+            a += k
+        return cls(blocks)
+
+    @staticmethod
+    def _mask(ends: torch.Tensor, lows: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
         slot = torch.arange(width, device=ends.device)
         mask = slot < ends.unsqueeze(1)
         if window is not None:
             mask &= slot >= lows.unsqueeze(1)
-        return cls(mask, groups)
+        return mask
 
-    def _split(self, full: torch.Tensor) -> list[torch.Tensor]:
-        return [c[:, None, None, :h] for c, (_, h) in zip(full.split([k for k, _ in self.groups]), self.groups,
-                                                          strict=True)]
+    def _split_all(self, made: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each group's [rows, 1, 1, slots] view of `made(block)`, by group."""
+        out = {}
+        for full, groups in self.blocks:
+            for c, (g, _, h) in zip(made(full).split([k for _, k, _ in groups]), groups, strict=True):
+                out[g] = c[:, None, None, :h]
+        return out
 
-    def bias(self, i: int, dtype: torch.dtype) -> torch.Tensor:
-        """Group i's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The group's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
         made = self._biases.get(dtype)
         if made is None:
-            zeros = torch.zeros(self._full.shape, dtype=dtype, device=self._full.device)
-            made = self._biases[dtype] = self._split(zeros.masked_fill_(~self._full, float("-inf")))
-        return made[i]
+            made = self._biases[dtype] = self._split_all(lambda full: torch.zeros(
+                full.shape, dtype=dtype, device=full.device).masked_fill_(~full, float("-inf")))
+        return made[group]
 
 
 @dataclass(frozen=True)
@@ -305,21 +334,19 @@ class _SingleGather:
     @classmethod
     def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None
                   ) -> tuple[_SingleGather, ...]:
-        """Every group's pages and mask from the batch's tables in a few tensor operations over all of them,
-        each group's a view (a step at batch 256 has a score of groups; slicing each out on its own cost
-        more than its attention). Positions are counted from each sequence's first gathered page."""
-        order = [i for m in groups for i in m]
-        firsts, counts, lows, ends = _decode_spans(batch, order, window)
-        spans = _group_spans([len(m) for m in groups], counts, ends)
-        n = len(order)
+        """Every group's pages and mask in a few tensor operations over all of them, each group's a view (a
+        step at batch 256 has a score of groups; slicing each out on its own cost more than its attention).
+        The pages are read off the host table and go to the device in one copy. Positions are counted from
+        each sequence's first gathered page."""
+        n = sum(len(m) for m in groups)
         whole = len(groups) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
-        rows = [] if whole else [batch.token_rows[i] for i in order]
-        widths = [w for _, k, w, _ in spans for _ in range(k)]
-        flat = _on(batch.tables, order + firsts + counts + lows + ends + widths + rows)
-        order_t, firsts_t, counts_t, lows_t, ends_t, widths_t = flat[:6 * n].view(6, n)
-        pages = _padded_pages(batch.tables.index_select(0, order_t), firsts_t, counts_t, widths_t, sum(widths), window)
-        masks = _Masks.build(ends_t, lows_t, [(k, h) for _, k, _, h in spans], window)
-        rows_t = None if whole else flat[6 * n:]
+        spans, host, cells, lows, ends = _decode_columns(batch, groups, window, whole)
+        pages = _padded_pages(batch.table, *host[:4 * n].view(4, n), cells)
+        if int(pages.min()) < 0:
+            raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
+        pages, rest = _to_device([pages, host[4 * n:]], batch.positions.device)
+        masks = _Masks.build(rest[n:2 * n], rest[:n], [(k, h) for _, k, _, h in spans], window)
+        rows_t = None if whole else rest[2 * n:]
         out = []
         for i, ((a, k, w, h), g_pages) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
                                                         strict=True)):
@@ -331,14 +358,15 @@ class _SingleGather:
         return tuple(out)
 
 
-def _padded_pages(picked: torch.Tensor, firsts: torch.Tensor, counts: torch.Tensor, widths: torch.Tensor,
-                  total: int, window: int | None) -> torch.Tensor:
-    """Row r's pages `firsts[r]`.. (`counts[r]` of them, then page 0 up to `widths[r]`: padding, masked out),
-    the rows laid out one after another; without a window every row's first is 0."""
+def _padded_pages(table: torch.Tensor, rows: torch.Tensor, firsts: torch.Tensor, counts: torch.Tensor,
+                  widths: torch.Tensor, total: int) -> torch.Tensor:
+    """For each r: pages firsts[r].. of table row rows[r] (counts[r] of them, then page 0 up to widths[r]:
+    padding, masked out), laid out one after another; read straight off the table, never a row's whole width."""
     row, col = _ragged(widths, total)
-    taken = col if window is None else (col + torch.index_select(firsts, 0, row)).clamp_(max=picked.shape[1] - 1)
-    return torch.index_select(picked.view(-1), 0, row * picked.shape[1] + taken).masked_fill_(
-        col >= torch.index_select(counts, 0, row), 0)
+    cols = table.shape[1]
+    taken = (col + torch.index_select(firsts, 0, row)).clamp_(max=cols - 1)
+    cells = torch.index_select(rows, 0, row) * cols + taken
+    return torch.index_select(table.reshape(-1), 0, cells).masked_fill_(col >= torch.index_select(counts, 0, row), 0)
 
 
 def _group_spans(sizes: list[int], counts: list[int], ends: list[int]) -> list[tuple[int, int, int, int]]:
@@ -349,6 +377,19 @@ def _group_spans(sizes: list[int], counts: list[int], ends: list[int]) -> list[t
         spans.append((a, k, max(counts[a:a + k]), max(ends[a:a + k]) if k > 1 else 0))
         a += k
     return spans
+
+
+def _decode_columns(batch: AttentionBatch, groups: list[list[int]], window: int | None, whole: bool
+                    ) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, int, list[int], list[int]]:
+    """(each group's span (_group_spans), one host tensor of every row's table row, first page, pages, padded
+    width, low and end slot, and (unless `whole`) query row, the padded pages in all, the lows, the ends)."""
+    order = [i for m in groups for i in m]
+    firsts, counts, lows, ends = _decode_spans(batch, order, window)
+    spans = _group_spans([len(m) for m in groups], counts, ends)
+    widths = [w for _, k, w, _ in spans for _ in range(k)]
+    host = _on("cpu", [batch.rows[i] for i in order] + firsts + counts + widths + lows + ends +
+               ([] if whole else [batch.token_rows[i] for i in order]))
+    return spans, host, sum(widths), lows, ends
 
 
 def _decode_spans(batch: AttentionBatch, seqs: list[int], window: int | None
