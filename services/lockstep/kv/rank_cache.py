@@ -7,7 +7,7 @@ and sampling, and a test drives the real bookkeeping with a fake forward:
     prepare(plan)     releases, pins of the admitted prefixes, pages for every chunk (or StepRefused)
                       ... the group agrees whether the step goes on ...
     undo_admits()     refused: what this step's admits pinned and allocated goes back
-    table(request)    the page table the forward reads and writes
+    block_tables      every request's pages as one row each (row(request)): what the forward reads
     advance(chunk)    the chunk ran: its positions are held and its full pages committed to the index
     finish(plan)      an operator's flush, then the probe answers and the pool counts for the report
 
@@ -311,6 +311,8 @@ class RankCache:
         if end > self.max_model_len:
             raise StepRefused(f"request {chunk.request_id}: position {end} is past the model's context")
         pages = pages_for(end, self.page_size)
+        if pages <= pages_for(seq.length, self.page_size):  # every pool covers [0, length) already (`check`)
+            return
         for name, pool in self.pools.items():
             held = pool.held(chunk.request_id) + (seq.first if name == POOL_SLIDING else 0)
             if pages > held:
