@@ -161,12 +161,11 @@ class AttentionBatch:
         """
         groups = self._gathers.get(window)
         if groups is None:
-            ps = self.page_size
-            lo = {i: 0 if window is None else max(0, self.starts[i] + 1 - window) for i in self.single_seqs}
-            pages = {i: pages_for(self.starts[i] + 1, ps) - lo[i] // ps for i in self.single_seqs}
+            seqs = list(self.single_seqs)
+            decoded = dict(zip(seqs, zip(*_decode_spans(self, seqs, window), strict=True), strict=True))
             call = GROUP_CALL_TOKENS or attention_call_tokens(self.positions.device)
-            members = _length_groups(pages, max(1, call // ps))
-            groups = _SingleGather.build_all(self, [sorted(m) for m in members], window)
+            members = _length_groups({i: d[1] for i, d in decoded.items()}, max(1, call // self.page_size))
+            groups = _SingleGather.build_all(self, [sorted(m) for m in members], window, decoded)
             self._gathers[window] = groups
         return groups
 
@@ -332,15 +331,15 @@ class _SingleGather:
         return None if self.masks is None else self.masks.bias(self.mask_index, dtype)
 
     @classmethod
-    def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None
-                  ) -> tuple[_SingleGather, ...]:
+    def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None,
+                  decoded: Mapping[int, tuple[int, int, int, int]]) -> tuple[_SingleGather, ...]:
         """Every group's pages and mask in a few tensor operations over all of them, each group's a view (a
         step at batch 256 has a score of groups; slicing each out on its own cost more than its attention).
         The pages are read off the host table and go to the device in one copy. Positions are counted from
         each sequence's first gathered page."""
         n = sum(len(m) for m in groups)
         whole = len(groups) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
-        spans, host, cells, lows, ends = _decode_columns(batch, groups, window, whole)
+        spans, host, cells, lows, ends = _decode_columns(batch, groups, decoded, whole)
         pages = _padded_pages(batch.table, *host[:4 * n].view(4, n), cells)
         if int(pages.min()) < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
@@ -379,12 +378,13 @@ def _group_spans(sizes: list[int], counts: list[int], ends: list[int]) -> list[t
     return spans
 
 
-def _decode_columns(batch: AttentionBatch, groups: list[list[int]], window: int | None, whole: bool
-                    ) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, int, list[int], list[int]]:
+def _decode_columns(batch: AttentionBatch, groups: list[list[int]], decoded: Mapping[int, tuple[int, int, int, int]],
+                    whole: bool) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, int, list[int], list[int]]:
     """(each group's span (_group_spans), one host tensor of every row's table row, first page, pages, padded
-    width, low and end slot, and (unless `whole`) query row, the padded pages in all, the lows, the ends)."""
+    width, low and end slot (`decoded`: _decode_spans by sequence), and (unless `whole`) query row, the padded
+    pages in all, the lows, the ends)."""
     order = [i for m in groups for i in m]
-    firsts, counts, lows, ends = _decode_spans(batch, order, window)
+    firsts, counts, lows, ends = (list(column) for column in zip(*(decoded[i] for i in order), strict=True))
     spans = _group_spans([len(m) for m in groups], counts, ends)
     widths = [w for _, k, w, _ in spans for _ in range(k)]
     host = _on("cpu", [batch.rows[i] for i in order] + firsts + counts + widths + lows + ends +
