@@ -35,6 +35,8 @@ class AttentionBatch:
     rows: tuple[int, ...]
     slot_bounds: tuple[int, int]  # the least and the greatest slot written, checked against the cache
     single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
+    # [3, S1] host: each one-token sequence's table row, position and flat query row (single_gathers' input)
+    singles: torch.Tensor | None = field(default=None, compare=False, repr=False)
     _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
@@ -128,29 +130,20 @@ class AttentionBatch:
         if pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size) > cols:
             raise ValueError(f"positions up to {max(s + n for s, n in zip(starts, lens, strict=True))} need more "
                              f"than the table's {cols} pages")
-        positions: list[int] = []
-        cells: list[int] = []  # where each token's page is in the flat table
-        lasts: list[int] = []
-        singles: list[int] = []
-        for i, (start, n, row) in enumerate(zip(starts, lens, rows, strict=True)):
-            at = row * cols
-            if n == 1:
-                singles.append(i)
-                positions.append(start)
-                cells.append(at + start // page_size)
-            else:
-                positions.extend(range(start, start + n))
-                cells.extend(at + p // page_size for p in range(start, start + n))
-            lasts.append(len(positions) - 1)
-        t = len(positions)
-        host = _on("cpu", positions + cells + lasts)
-        pos = host[:t]
-        slots = table.reshape(-1).index_select(0, host[t:2 * t]).long() * page_size + pos % page_size
+        if max(lens) == 1:  # a decode step: one token per sequence, so every column is a tensor operation
+            n = len(rows)
+            singles = _on("cpu", [*rows, *starts, *range(n)]).view(3, n)  # row, position, query row
+            pos, lasts = singles[1], singles[2]
+            cells = singles[0] * cols + torch.div(pos, page_size, rounding_mode="floor")
+            single_seqs = tuple(range(n))
+        else:
+            pos, cells, lasts, singles, single_seqs = _mixed_columns(rows, starts, lens, cols, page_size)
+        slots = table.reshape(-1).index_select(0, cells).long() * page_size + pos % page_size
         lo, hi = slots.aminmax()
-        parts = _to_device([pos, slots, host[2 * t:]], device)
+        parts = _to_device([pos, slots, lasts], device)
         return cls(positions=parts[0], slot_mapping=parts[1], last_token_indices=parts[2], page_size=page_size,
                    starts=tuple(starts), query_lens=tuple(lens), table=table, rows=tuple(rows),
-                   slot_bounds=(int(lo), int(hi)), single_seqs=tuple(singles))
+                   slot_bounds=(int(lo), int(hi)), single_seqs=single_seqs, singles=singles)
 
     def single_gathers(self, window: int | None) -> tuple[_SingleGather, ...]:
         """The one-token sequences in groups of like KV length, for layers of this window; made once per step.
@@ -161,41 +154,73 @@ class AttentionBatch:
         """
         groups = self._gathers.get(window)
         if groups is None:
-            seqs = list(self.single_seqs)
-            decoded = dict(zip(seqs, zip(*_decode_spans(self, seqs, window), strict=True), strict=True))
             call = GROUP_CALL_TOKENS or attention_call_tokens(self.positions.device)
-            members = _length_groups({i: d[1] for i, d in decoded.items()}, max(1, call // self.page_size))
-            groups = _SingleGather.build_all(self, [sorted(m) for m in members], window, decoded)
-            self._gathers[window] = groups
+            groups = self._gathers[window] = _SingleGather.build_all(self, window, max(1, call // self.page_size))
         return groups
+
+
+def _mixed_columns(rows: Sequence[int], starts: Sequence[int], lens: Sequence[int], cols: int, page_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """A batch with prefill chunks: (positions, flat table cells, last token indices, the one-token sequences'
+    [3, S1] columns, which sequences those are), a few list appends per sequence."""
+    positions: list[int] = []
+    cells: list[int] = []  # where each token's page is in the flat table
+    lasts: list[int] = []
+    singles: list[int] = []
+    for i, (start, n, row) in enumerate(zip(starts, lens, rows, strict=True)):
+        at = row * cols
+        if n == 1:
+            singles.append(i)
+            positions.append(start)
+            cells.append(at + start // page_size)
+        else:
+            positions.extend(range(start, start + n))
+            cells.extend(at + p // page_size for p in range(start, start + n))
+        lasts.append(len(positions) - 1)
+    t, s1 = len(positions), len(singles)
+    host = _on("cpu", positions + cells + lasts + [rows[i] for i in singles] + [starts[i] for i in singles] +
+               [lasts[i] for i in singles])
+    return host[:t], host[t:2 * t], host[2 * t:2 * t + len(lasts)], host[2 * t + len(lasts):].view(3, s1), \
+        tuple(singles)
 
 
 GROUP_CALL_TOKENS = 0  # what one more attention call costs, in gathered key slots; 0: the device's own
 
 
 def _length_groups(pages: Mapping[int, int], call_pages: int) -> list[list[int]]:
-    """Sequences (id -> pages) in groups, longest first, minimising padded pages + call_pages per group.
-
-    Groups are runs of the sequences sorted by length; a DP over the distinct lengths finds the best cuts
-    (quadratic in them, so past 32 only every k-th is a candidate: a big batch's plan stays cheap), and
-    wherever the length halves (at most a score of those), so an outlier is never padded with others.
-    """
+    """Sequences (id -> pages) in groups, longest first, minimising padded pages + call_pages per group
+    (`_group_sizes` over them sorted by length)."""
     order = sorted(pages, key=lambda i: -pages[i])
-    distinct = [j for j in range(len(order)) if j == 0 or pages[order[j]] != pages[order[j - 1]]]
-    halves = {j for a, j in zip(distinct, distinct[1:], strict=False) if 2 * pages[order[j]] < pages[order[a]]}
-    cuts = sorted({*distinct[::-(-len(distinct) // 32)], *halves}) + [len(order)]
+    members, a = [], 0
+    for k in _group_sizes([pages[i] for i in order], call_pages):
+        members.append(order[a:a + k])
+        a += k
+    return members
+
+
+def _group_sizes(pages: list[int], call_pages: int) -> list[int]:
+    """How many of `pages` (sorted longest first) each group takes, minimising padded pages + call_pages a group.
+
+    Groups are runs of the sorted lengths; a DP over the distinct lengths finds the best cuts (quadratic in
+    them, so past 32 only every k-th is a candidate: a big batch's plan stays cheap), and wherever the length
+    halves (at most a score of those), so an outlier is never padded with others.
+    """
+    distinct = [j for j in range(len(pages)) if j == 0 or pages[j] != pages[j - 1]]
+    halves = {j for a, j in zip(distinct, distinct[1:], strict=False) if 2 * pages[j] < pages[a]}
+    cuts = sorted({*distinct[::-(-len(distinct) // 32)], *halves}) + [len(pages)]
     best = [0.0] + [float("inf")] * (len(cuts) - 1)  # best[c]: rows before cuts[c] grouped
     back = [0] * len(cuts)
     for c in range(1, len(cuts)):
+        end = cuts[c]
         for b in range(c):
-            cost = best[b] + (cuts[c] - cuts[b]) * pages[order[cuts[b]]] + call_pages
+            cost = best[b] + (end - cuts[b]) * pages[cuts[b]] + call_pages
             if cost < best[c]:
                 best[c], back[c] = cost, b
-    members, c = [], len(cuts) - 1
+    sizes, c = [], len(cuts) - 1
     while c > 0:
-        members.append(order[cuts[back[c]]: cuts[c]])
+        sizes.append(cuts[c] - cuts[back[c]])
         c = back[c]
-    return members[::-1]
+    return sizes[::-1]
 
 
 def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int, first: int) -> tuple[int, ...]:
@@ -331,29 +356,49 @@ class _SingleGather:
         return None if self.masks is None else self.masks.bias(self.mask_index, dtype)
 
     @classmethod
-    def build_all(cls, batch: AttentionBatch, groups: list[list[int]], window: int | None,
-                  decoded: Mapping[int, tuple[int, int, int, int]]) -> tuple[_SingleGather, ...]:
+    def build_all(cls, batch: AttentionBatch, window: int | None, call_pages: int) -> tuple[_SingleGather, ...]:
         """Every group's pages and mask in a few tensor operations over all of them, each group's a view (a
         step at batch 256 has a score of groups; slicing each out on its own cost more than its attention).
         The pages are read off the host table and go to the device in one copy. Positions are counted from
-        each sequence's first gathered page."""
-        n = sum(len(m) for m in groups)
-        whole = len(groups) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
-        spans, host, cells, lows, ends = _decode_columns(batch, groups, decoded, whole)
-        pages = _padded_pages(batch.table, *host[:4 * n].view(4, n), cells)
+        each sequence's first gathered page: the first its window reaches."""
+        rows, starts, queries = batch.singles
+        n, ps = rows.shape[0], batch.page_size
+        ends = starts + 1
+        if window is None:  # every row gathers from its first page
+            firsts = torch.zeros_like(ends)
+            counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor")
+            cols = torch.stack([rows, firsts, counts, firsts, ends, queries])
+        else:
+            lows = (ends - window).clamp_(min=0)
+            firsts = torch.div(lows, ps, rounding_mode="floor")
+            counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor") - firsts
+            cols = torch.stack([rows, firsts, counts, lows - firsts * ps, ends - firsts * ps, queries])
+        order = torch.argsort(counts, descending=True, stable=True)
+        longest = counts[order].tolist()
+        sizes = _group_sizes(longest, call_pages)
+        whole = len(sizes) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
+        if not whole:
+            cols = cols.index_select(1, order)
+        lo, hi = cols[3].tolist(), cols[4].tolist()
+        spans, a = [], 0  # per group: (its first row, its rows, pages wide, slots its mask spans: 0 alone)
+        for k in sizes:
+            spans.append((a, k, longest[a], max(hi[a:a + k]) if k > 1 else 0))
+            a += k
+        total = sum(k * w for _, k, w, _ in spans)
+        widths = torch.repeat_interleave(_on("cpu", [w for _, _, w, _ in spans]), _on("cpu", sizes), output_size=n)
+        pages = _padded_pages(batch.table, cols[0], cols[1], cols[2], widths, total)
         if int(pages.min()) < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
-        pages, rest = _to_device([pages, host[4 * n:]], batch.positions.device)
-        masks = _Masks.build(rest[n:2 * n], rest[:n], [(k, h) for _, k, _, h in spans], window)
-        rows_t = None if whole else rest[2 * n:]
+        pages, rest = _to_device([pages, cols[3:]], batch.positions.device)
+        masks = _Masks.build(rest[1], rest[0], [(k, h) for _, k, _, h in spans], window)
         out = []
         for i, ((a, k, w, h), g_pages) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
                                                         strict=True)):
-            g_rows = None if whole else rows_t[a:a + k]
+            g_rows = None if whole else rest[2, a:a + k]
             if h:
                 out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(0, h), masks=masks, mask_index=i))
             else:
-                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(lows[a], ends[a])))
+                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(lo[a], hi[a])))
         return tuple(out)
 
 
@@ -366,43 +411,6 @@ def _padded_pages(table: torch.Tensor, rows: torch.Tensor, firsts: torch.Tensor,
     taken = (col + torch.index_select(firsts, 0, row)).clamp_(max=cols - 1)
     cells = torch.index_select(rows, 0, row) * cols + taken
     return torch.index_select(table.reshape(-1), 0, cells).masked_fill_(col >= torch.index_select(counts, 0, row), 0)
-
-
-def _group_spans(sizes: list[int], counts: list[int], ends: list[int]) -> list[tuple[int, int, int, int]]:
-    """Per group of `sizes[g]` rows: (its first row, its rows, pages wide, slots its mask spans: 0 for a lone
-    row, which needs no mask)."""
-    spans, a = [], 0
-    for k in sizes:
-        spans.append((a, k, max(counts[a:a + k]), max(ends[a:a + k]) if k > 1 else 0))
-        a += k
-    return spans
-
-
-def _decode_columns(batch: AttentionBatch, groups: list[list[int]], decoded: Mapping[int, tuple[int, int, int, int]],
-                    whole: bool) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, int, list[int], list[int]]:
-    """(each group's span (_group_spans), one host tensor of every row's table row, first page, pages, padded
-    width, low and end slot (`decoded`: _decode_spans by sequence), and (unless `whole`) query row, the padded
-    pages in all, the lows, the ends)."""
-    order = [i for m in groups for i in m]
-    firsts, counts, lows, ends = (list(column) for column in zip(*(decoded[i] for i in order), strict=True))
-    spans = _group_spans([len(m) for m in groups], counts, ends)
-    widths = [w for _, k, w, _ in spans for _ in range(k)]
-    host = _on("cpu", [batch.rows[i] for i in order] + firsts + counts + widths + lows + ends +
-               ([] if whole else [batch.token_rows[i] for i in order]))
-    return spans, host, sum(widths), lows, ends
-
-
-def _decode_spans(batch: AttentionBatch, seqs: list[int], window: int | None
-                  ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Per one-token sequence: the first page it gathers (the first its window reaches), how many pages from
-    there, and the slots [low, end) it sees among them."""
-    ps = batch.page_size
-    ends = [batch.starts[i] + 1 for i in seqs]
-    lows = [0 if window is None else max(0, e - window) for e in ends]
-    firsts = [lo // ps for lo in lows]
-    counts = [pages_for(e, ps) - f for e, f in zip(ends, firsts, strict=True)]
-    return (firsts, counts, [lo - f * ps for lo, f in zip(lows, firsts, strict=True)],
-            [e - f * ps for e, f in zip(ends, firsts, strict=True)])
 
 
 def _ragged(widths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
