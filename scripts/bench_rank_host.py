@@ -71,8 +71,7 @@ def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, p
         marks.append(time.perf_counter())
         engine.drawn = {c.request_id: engine._draw(c, c.sample_index) for c in chunks}
         marks.append(time.perf_counter())
-        for chunk in chunks:
-            engine.cache.advance(chunk)
+        engine.cache.advance_all(chunks)
         marks.append(time.perf_counter())
         engine.cache.finish(plan)
         marks.append(time.perf_counter())

@@ -248,8 +248,7 @@ class Engine:
             )
             sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
             sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
-        for chunk in batch:
-            self.cache.advance(chunk)
+        self.cache.advance_all(batch)
         return sampled, scored
 
     def _adjusted(self, batch: tuple[Chunk, ...], rows: list[int], logits: torch.Tensor) -> torch.Tensor:

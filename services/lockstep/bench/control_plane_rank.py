@@ -107,8 +107,7 @@ class NoopForwardEngine(Engine):
     def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
         sampled = tuple(Sampled(c.request_id, self._draw(c, c.sample_index)) for c in batch if c.sample)
-        for chunk in batch:
-            self.cache.advance(chunk)
+        self.cache.advance_all(batch)
         return sampled, ()
 
 

@@ -23,7 +23,7 @@ go back, cached ones to the evictable set. A prefix of L pages is pinned in `ful
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
@@ -153,25 +153,30 @@ class RankCache:
 
     def advance(self, chunk: Chunk) -> None:
         """The chunk was computed: hold its positions and commit the pages it filled into the index."""
-        rid = chunk.request_id
-        seq = self._seqs[rid]
-        seq.length += len(chunk.token_ids)
-        if self.prefix_caching:
-            self._commit(rid, seq, chunk.token_ids)
-        sliding = self.pools.get(POOL_SLIDING)
-        if sliding is not None:
-            first = first_page(seq.length, self.window, self.page_size)
-            if first > seq.first:
-                sliding.drop_front(rid, first - seq.first)
-                self.block_tables[POOL_SLIDING].clear(seq.row, seq.first, first - seq.first)
-                seq.first = first
+        self.advance_all((chunk,))
 
-    def _commit(self, rid: str, seq: _Sequence, tokens: tuple[int, ...]) -> None:
-        """Index every page the tokens filled, in every pool, under its chain key."""
-        seq.pending.extend(tokens)
+    def advance_all(self, chunks: Iterable[Chunk]) -> None:
+        """Every chunk of a step was computed (`advance` each): one loop, since a decode step at batch 256 runs it
+        per request and most of them only count a token (a page fills one step in page_size)."""
+        seqs, ps, caching = self._seqs, self.page_size, self.prefix_caching
+        sliding = self.pools.get(POOL_SLIDING)
+        for chunk in chunks:
+            seq = seqs[chunk.request_id]
+            seq.length += len(chunk.token_ids)
+            if caching:
+                seq.pending.extend(chunk.token_ids)
+                if len(seq.pending) >= ps:
+                    self._commit(chunk.request_id, seq)
+            if sliding is not None:
+                first = first_page(seq.length, self.window, ps)
+                if first > seq.first:
+                    sliding.drop_front(chunk.request_id, first - seq.first)
+                    self.block_tables[POOL_SLIDING].clear(seq.row, seq.first, first - seq.first)
+                    seq.first = first
+
+    def _commit(self, rid: str, seq: _Sequence) -> None:
+        """Index every page its pending tokens filled, in every pool, under its chain key."""
         ps = self.page_size
-        if len(seq.pending) < ps:
-            return
         tables = {name: self.table(rid, name) for name in self.pools}
         while len(seq.pending) >= ps:
             key = next_key(seq.parent, seq.pending[:ps], self.salt)
