@@ -14,7 +14,10 @@
 #      at batch 1) and the default dtype (bfloat16 on a GPU), scripts/bench_engine.py,
 #   3. sample() on the device against the CPU path it replaces there (batch 256, 128k vocabulary),
 #      then `lockstep serve --tp 1` answering a completion over HTTP,
-#   4. `lockstep bench`: served and in-process throughput.
+#   4. `lockstep bench`: served and in-process throughput,
+#   5. what a decode attention call costs there in gathered key slots (scripts/bench_decode_groups.py, an 8B
+#      model's heads: the number behind lockstep.device.attention_call_tokens) and the rank's host work per
+#      decode step on that machine's CPU (scripts/bench_rank_host.py).
 # Every step writes into $OUT (default /tmp/gpu_check) and the run goes on past a failed step; the exit
 # status counts the failed steps.
 set -u
@@ -117,8 +120,11 @@ run() {
             .gpu/whl/*.whl && export PYTHONPATH="/tmp/gpu_site:$PYTHONPATH"
     fi
     local layers=0 batches=(1 8 32) half=(1 32 128) tokens=64 requests=256 concurrency=64
+    local groups=(--heads 32 --kv-heads 8 --head-dim 128) host=(--batch 8,64,256)
     if [ "$quick" = "--quick" ]; then
         layers=2 batches=(1 4) half=(1 4) tokens=8 requests=8 concurrency=4
+        groups=(--batch 16 --repeat 2 --layers 1 --fit-rows 4 16 --fit-pages 2 8 --call-tokens 256 16384)
+        host=(--batch 8 --steps 5 --warmup 2)
     fi
     ckpt=$OUT/ckpt
     step env python3 -c 'import torch, lockstep.device as d; print(torch.__version__, torch.version.cuda,
@@ -139,7 +145,9 @@ print(str(d.pick_dtype('auto', d.pick_device(), M.checkpoint_dtype('$ckpt'))).re
     step serve serve_once 8311
     step bench python3 -m lockstep.cli bench --model "$ckpt" --tp 1 --requests "$requests" \
         --concurrency "$concurrency" --max-tokens "$tokens" --max-num-seqs "$concurrency" --json "$OUT/bench.json"
-    for f in "$OUT"/engine_*.log "$OUT"/sampling.log "$OUT"/bench.log; do echo "---- $f"; tail -n 12 "$f"; done
+    step decode_groups python3 scripts/bench_decode_groups.py "${groups[@]}"
+    step rank_host python3 scripts/bench_rank_host.py "${host[@]}"
+    for f in "$OUT"/engine_*.log "$OUT"/sampling.log "$OUT"/bench.log "$OUT"/decode_groups.log "$OUT"/rank_host.log; do echo "---- $f"; tail -n 12 "$f"; done
     echo "failed steps: $failed"
     return "$failed"
 }

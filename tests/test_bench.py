@@ -172,6 +172,8 @@ def test_the_prepared_gpu_check_runs_through_on_the_cpu(tiny_llama, tmp_path):
     assert engine["results"][0]["batch"] == 1 and engine["results"][0]["greedy_same"] == 1
     assert json.loads((tmp_path / "bench.json").read_text())
     assert '"completion_tokens": 16' in (tmp_path / "serve.log").read_text()
+    assert "one call costs" in (tmp_path / "decode_groups.log").read_text()
+    assert "rank host work per decode step" in (tmp_path / "rank_host.log").read_text()
 
 
 @pytest.mark.parametrize("api_workers", [0, 2])
@@ -206,3 +208,24 @@ def test_the_rank_host_benchmark_times_every_part_of_a_decode_step():
     for row in rows:
         parts, step = [float(x) for x in row[1:-1]], float(row[-1])
         assert len(parts) == 6 and all(x > 0 for x in parts[:3]) and sum(parts) <= step * 1.5
+
+
+def test_the_decode_groups_benchmark_fits_a_call_cost_and_groups_fewer_as_calls_cost_more():
+    """scripts/bench_decode_groups.py: the fit's line has a positive cost per gathered slot, and the sweep's
+    batch is cut into fewer groups (never more) as one call is counted dearer."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_groups.py"
+    proc = subprocess.run([sys.executable, str(script), "--batch", "24", "--repeat", "2", "--layers", "1",
+                           "--threads", "1", "--fit-rows", "2", "8", "--fit-pages", "1", "6",
+                           "--call-tokens", "16", "256", "100000", "--min-len", "3", "--max-len", "300"],
+                          env={**os.environ, "LOCKSTEP_DEVICE": "cpu"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("one call,") == 4
+    slot_ns = float(proc.stdout.split(" ns a gathered slot")[0].rsplit("+ ", 1)[1])
+    assert slot_ns > 0
+    sweep = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["16"], ["256"], ["100000"])]
+    groups = [int(row[1]) for row in sweep]
+    assert len(groups) == 3 and groups == sorted(groups, reverse=True) and groups[-1] == 1 < groups[0]
+    assert all(float(row[2]) > 0 for row in sweep)

@@ -277,8 +277,12 @@ class _Masks:
 
     def __init__(self, blocks: list[tuple[torch.Tensor, list[tuple[int, int, int]]]]) -> None:
         self.blocks = blocks  # (mask, (group, rows, slots) of each group it holds, in row order)
-        self.masks = self._split_all(lambda full: full)
         self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
+
+    @cached_property
+    def masks(self) -> dict[int, torch.Tensor]:
+        """Each group's [rows, 1, 1, slots] boolean view, by group: made on first use (the layers read biases)."""
+        return self._split_all(lambda full: full)
 
     @classmethod
     def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
@@ -322,9 +326,11 @@ class _Masks:
         return made[group]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class _SingleGather:
     """Pages to gather for a group of one-token sequences, padded to one width, and which slots each sees.
+    Not frozen, though never changed once built: a step builds a score of them, and a frozen dataclass's
+    `__init__` costs several times a slotted one's.
 
     Padding only over KV length: each sequence reads its own pages (from the first its window reaches),
     the rest of its row is page 0, masked out, so one SDPA call serves the group. A lone sequence needs
