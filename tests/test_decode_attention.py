@@ -197,3 +197,14 @@ def test_a_long_group_among_short_ones_gets_its_own_mask():
                  for g in batch.single_gathers(window) if (m := g.mask) is not None}
         assert len(masks) >= 2 and sum(masks.values()) < 2 * 7001 + len(spans) * 400
         assert all(int(g.pages.min()) >= 0 for g in batch.single_gathers(window))
+
+
+def test_a_batch_off_the_table_refuses_an_empty_sequence_or_a_negative_start():
+    """The decode path takes every sequence of length one as a decode row: an empty one must be refused, not
+    read as one token (nothing upstream sends one; the table's batch must not depend on that)."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    with pytest.raises(ValueError, match="a token"):
+        AttentionBatch.from_table(table, [0, 1, 2], [3, 5, 2], [1, 0, 1], 4)
+    with pytest.raises(ValueError, match="start"):
+        AttentionBatch.from_table(table, [0, 1], [3, -1], [1, 1], 4)
+    assert AttentionBatch.from_table(table, [0, 1, 2], [3, 5, 2], [1, 1, 1], 4).single_seqs == (0, 1, 2)

@@ -126,6 +126,9 @@ class AttentionBatch:
         """
         if not rows:
             raise ValueError("an attention batch needs at least one sequence")
+        if min(lens) < 1 or min(starts) < 0:
+            raise ValueError(f"every sequence needs a start >= 0 and a token, got starts {min(starts)}.., "
+                             f"lengths {min(lens)}..")
         cols = table.shape[1]
         if pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size) > cols:
             raise ValueError(f"positions up to {max(s + n for s, n in zip(starts, lens, strict=True))} need more "
