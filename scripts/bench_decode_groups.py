@@ -140,12 +140,17 @@ def main() -> None:
           f"{args.kv_heads} x {args.head_dim}, page size {args.page_size}")
     with torch.inference_mode():
         call_s, slot_s = fit(args, device)
-        print(f"fit: a call {call_s * 1e6:.1f} us + {slot_s * 1e9:.3f} ns a gathered slot: one call costs "
-              f"{call_s / slot_s:.0f} slots (this device's constant: {attention_call_tokens(device)})")
+        unresolved = "not resolved (the line's intercept is lost in the slots' cost: see the sweep)"
+        cost = f"{call_s / slot_s:.0f} slots" if call_s > 0 < slot_s else unresolved
+        print(f"fit: a call {call_s * 1e6:.1f} us + {slot_s * 1e9:.3f} ns a gathered slot: one call costs {cost} "
+              f"(this device's constant: {attention_call_tokens(device)})")
         print(f"sweep: batch {args.batch}, lengths {args.min_len}-{args.max_len}, {args.layers} layers a step")
         print(f"{'call tokens':>12}{'groups':>8}{'ms/step':>10}")
-        for tokens, groups, ms in sweep(args, device):
+        rows = sweep(args, device)
+        for tokens, groups, ms in rows:
             print(f"{tokens:>12}{groups:>8}{ms:>10.3f}")
+        print(f"fastest: call tokens {min(rows, key=lambda r: r[2])[0]} (this device's constant: "
+              f"{attention_call_tokens(device)})")
 
 
 if __name__ == "__main__":
