@@ -463,3 +463,57 @@ def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_f
         assert proc.wait(timeout=30) in (0, 130)
         _, alive = psutil.wait_procs(everyone, timeout=15)
         assert not alive, "processes outlived lockstep serve"
+
+
+class HeavyTickingCoordinator(TickingCoordinator):
+    """Every token with logprobs of 20 alternatives, as a request asking for them gets."""
+
+    def tick(self) -> None:
+        self.ticks += 1
+        heavy = TokenLogprobs(-0.5, tuple((i, -1.0 - i) for i in range(20)))
+        for state in list(self.live.values()):
+            state[2] += 1
+            state[0].put(TokenEvent(WORD, FinishReason.LENGTH if state[2] >= state[1] else None, logprobs=heavy))
+
+
+def test_a_frontend_that_stops_reading_its_link_has_its_requests_aborted_and_takes_no_more(tmp_path, monkeypatch):
+    """A frontend alive but wedged (its link open, nothing read): once gRPC's buffers are full and nothing has been
+    taken for LINK_STALL_S, its requests are aborted (their pages freed) and the link queues nothing more, instead
+    of the coordinator holding every event for it and generating on; a new request through it is a 503. When it
+    reads again it gets what was queued, then its link ends with the reason (the frontend exits and is started
+    again), and its open streams end with an error."""
+    monkeypatch.setattr(frontend_link, "LINK_STALL_S", 0.3)
+    coord = HeavyTickingCoordinator()  # a few KB a step: gRPC's buffers fill in seconds
+    streams = 16
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, pump, session, url, _):
+            posts = [asyncio.ensure_future(session.post(url + "/v1/completions", json=_stream_body(50_000)))
+                     for _ in range(streams)]
+            await _eventually(lambda: len(coord.live) == streams, within_s=30)
+            reading = asyncio.Event()
+            read = remote._events.read
+
+            async def wedged_read():
+                await reading.wait()
+                return await read()
+
+            remote._events.read = wedged_read  # the frontend's pump takes nothing more off its link
+            await _eventually(lambda: len(coord.ended) == streams, within_s=60)
+            assert not coord.live and not any(finished for _, finished in coord.ended)
+            link = next(iter(servicer.links.values()))
+            assert link.wedged and not link.requests and link.out.qsize() > 0
+            queued, ticks = link.out.qsize(), coord.ticks
+            await _eventually(lambda: coord.ticks > ticks + 20)
+            assert link.out.qsize() == queued  # nothing more is held for it
+            late = spec_to_proto(link.link_id, "late", GenerateSpec([1, 2], SamplingParams(), 3))
+            answer = await servicer.Submit(late, None)
+            assert error_of(answer).status == 503
+            reading.set()  # it reads again: what was queued, then the link's end
+            await asyncio.wait_for(pump, 30)
+            assert not servicer.links and not remote.boxes
+            for p in posts:
+                p.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    asyncio.run(main())

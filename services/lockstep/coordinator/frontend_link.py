@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,6 +34,13 @@ from lockstep.wire import WireError
 
 log = logging.getLogger("lockstep.link")
 
+# A frontend that takes nothing off its link for this long while events wait for it, or leaves this many bytes
+# of them waiting, is wedged (alive, its stream open, reading nothing): its requests are aborted and the link
+# takes no more, so the coordinator's memory and the ranks' pages do not grow behind it. gRPC's own buffers
+# take the first few hundred KB; the wait counts from when they are full.
+LINK_STALL_S = 60.0
+LINK_BACKLOG_BYTES = 256 << 20
+
 
 class Link:
     """One frontend's requests and the events bound for it."""
@@ -41,7 +49,10 @@ class Link:
         self.coordinator = coordinator
         self.link_id = link_id
         self.requests: set[str] = set()  # submitted, not ended
-        self.out: asyncio.Queue[fpb.StepEventsMsg] = asyncio.Queue()
+        self.out: asyncio.Queue[tuple[fpb.StepEventsMsg, int] | None] = asyncio.Queue()  # (message, bytes); None: end
+        self.backlog = 0  # bytes of the messages in `out`
+        self.taken_at = time.monotonic()  # when the stream last took a message or had none waiting
+        self.wedged = ""  # why the link takes no more: the frontend stopped reading
         self._pending: list[tuple[str, TokenEvent]] = []
 
     def submit(self, request_id: str, spec: GenerateSpec) -> None:
@@ -60,8 +71,32 @@ class Link:
             if (ev.finish_reason is not None or ev.error) and rid in self.requests:
                 self.requests.discard(rid)
                 self.coordinator._end(rid, finished=True)
+        if self.wedged:
+            return
+        if self.out.empty():  # the stream has taken everything so far: it is not behind
+            self.taken_at = time.monotonic()
         for part in split_events(events, MESSAGE_BUDGET):
-            self.out.put_nowait(events_to_proto(part))
+            msg = events_to_proto(part)
+            size = msg.ByteSize()
+            self.backlog += size
+            self.out.put_nowait((msg, size))
+        stalled = time.monotonic() - self.taken_at
+        if self.backlog > LINK_BACKLOG_BYTES or stalled > LINK_STALL_S:
+            self._wedge(f"frontend {self.link_id} read nothing of its link for {stalled:.1f} s with "
+                        f"{self.out.qsize()} messages ({self.backlog} bytes) waiting for it")
+
+    def taken(self, size: int) -> None:
+        """The stream took a message of `size` bytes off `out`."""
+        self.backlog -= size
+        self.taken_at = time.monotonic()
+
+    def _wedge(self, why: str) -> None:
+        """Abort every request of a frontend that stopped reading, refuse its new ones, and end its stream once
+        it reads again (it exits then, and is started again)."""
+        log.error("%s: its %d request(s) are aborted and the link is closed", why, len(self.requests))
+        self.wedged = why
+        self.close()
+        self.out.put_nowait(None)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -99,8 +134,10 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
         log.info("frontend %s linked", request.link_id)
         try:
             yield fpb.StepEventsMsg()  # linked: the frontend submits only after this
-            while True:
-                yield await link.out.get()
+            while (item := await link.out.get()) is not None:
+                link.taken(item[1])
+                yield item[0]
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, link.wedged)
         finally:
             del self.links[request.link_id]
             log.info("frontend %s unlinked: %d request(s) of it aborted", request.link_id, len(link.requests))
@@ -108,7 +145,7 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
 
     async def Submit(self, request: fpb.SubmitMsg, context: grpc.aio.ServicerContext) -> fpb.SubmitAnswer:
         link = self.links.get(request.link_id)
-        if link is None:
+        if link is None or link.wedged:
             return answer_of(ApiError(503, "the frontend's link to the coordinator is not open; retry",
                                       err_type="service_unavailable"))
         try:
