@@ -213,3 +213,21 @@ def test_a_plan_built_ahead_always_carries_a_running_request_on():
     assert not admitted_only
     assert late.generated == reference(late)
     assert reqs[0].generated == reference(reqs[0])
+
+
+def test_a_partly_refused_step_puts_its_running_requests_back_first_in_their_order():
+    """Preempted by a step only some ranks carried out, the running requests go back to the front of the queue in
+    the order they ran (first come, first served), not reversed."""
+    from dataclasses import replace
+
+    g, reqs = _decode_group(3, 20)
+    for _ in range(3):
+        g.run_step()
+    g.sched.add(Request("late", [9, 9, 9, 9, 9, 9, 9, 9, 9], SamplingParams(), 4))
+
+    def rank1_failed(reports):
+        reports[1] = replace(reports[1], error="rank 1: lost its device")
+
+    g.run_step(tamper=rank1_failed)
+    assert g.sched.stats.preemptions == 3
+    assert [r.request_id for r in g.sched.waiting] == ["r0", "r1", "r2", "late"]

@@ -374,10 +374,12 @@ class Scheduler(Admitting):
                 events.append(self._finish(req, FinishReason.ERROR, message))
         if len(failed) == len(reports) and self._refused_in_a_row < 2:
             return  # nothing ran anywhere: plan the rest again as it was, once; twice means they disagree
-        for chunk in plan.batch:
+        preempted = []
+        for chunk in reversed(plan.batch):  # each goes to the front of the queue: they end up in the order they ran
             req = self.requests.get(chunk.request_id)
             if req is not None and req.status is RequestStatus.RUNNING and chunk.request_id not in admitted:
-                events.append(self._preempt(req, self._releases))
+                preempted.append(self._preempt(req, self._releases))
+        events.extend(reversed(preempted))
 
     def _apply_success(self, plan: Plan, reports: list[Report], events: list[Event]) -> None:
         self._refused_in_a_row = 0
