@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -498,11 +499,14 @@ def test_a_frontend_that_stops_reading_its_link_has_its_requests_aborted_and_tak
                 await reading.wait()
                 return await read()
 
+            link = next(iter(servicer.links.values()))
+            told = []
+            link.on_wedged = lambda wedged: told.append(wedged.link_id)  # ApiWorkers kills it; here: recorded
             remote._events.read = wedged_read  # the frontend's pump takes nothing more off its link
             await _eventually(lambda: len(coord.ended) == streams, within_s=60)
             assert not coord.live and not any(finished for _, finished in coord.ended)
-            link = next(iter(servicer.links.values()))
-            assert link.wedged and not link.requests and link.out.qsize() > 0
+            assert link.wedged and not link.requests and told == [link.link_id] and link.pid == os.getpid()
+            assert link.out.qsize() == 1 and link.backlog == 0  # what waited for it is dropped: only its end
             queued, ticks = link.out.qsize(), coord.ticks
             await _eventually(lambda: coord.ticks > ticks + 20)
             assert link.out.qsize() == queued  # nothing more is held for it
@@ -517,3 +521,46 @@ def test_a_frontend_that_stops_reading_its_link_has_its_requests_aborted_and_tak
             await asyncio.gather(*posts, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_one_large_step_never_wedges_a_link_but_a_backlog_left_waiting_does(monkeypatch):
+    """The byte cap counts what earlier steps left waiting, so one step's events (prompt logprobs come whole, up to
+    the link's largest message) never trip it on their own; bytes the stream leaves waiting past it do."""
+    monkeypatch.setattr(frontend_link, "LINK_BACKLOG_BYTES", 1500)
+    heavy = TokenEvent(WORD, logprobs=TokenLogprobs(-0.5, tuple((i, -1.0 - i) for i in range(200))))
+
+    async def main() -> None:
+        coord = TickingCoordinator()
+        link = frontend_link.Link(coord, "l1")
+        link.submit("r1", GenerateSpec([1, 2], SamplingParams(), 10))
+        link.add("r1", heavy)
+        await asyncio.sleep(0)
+        assert link.backlog > 1500 and not link.wedged  # one step, more than the cap: delivered, not a wedge
+        link.add("r1", heavy)
+        await asyncio.sleep(0)
+        assert link.wedged and coord.ended == [("r1", False)] and link.out.qsize() == 1
+
+    asyncio.run(main())
+
+
+def test_a_wedged_frontend_is_killed_so_that_it_is_started_again():
+    """ApiWorkers.kill_wedged: the process the link names, and only one of its own, is killed (the watch then
+    starts it again); a link that named no process, or another, kills nothing."""
+    import sys
+    from types import SimpleNamespace
+
+    from lockstep.coordinator.api_workers import ApiWorkers
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        workers = ApiWorkers(None, None, None, "", None, None)
+        workers.procs = procs
+        workers.kill_wedged(SimpleNamespace(pid=0))
+        workers.kill_wedged(SimpleNamespace(pid=os.getpid()))
+        assert all(p.poll() is None for p in procs)
+        workers.kill_wedged(SimpleNamespace(pid=procs[1].pid))
+        assert procs[1].wait(10) == -signal.SIGKILL and procs[0].poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -193,7 +193,8 @@ class _Encoding(asyncio.Queue):
     """A link's queue that encodes each message as it is queued: what gRPC does with it on the same loop."""
 
     def put_nowait(self, item: Any) -> None:
-        item.SerializeToString()
+        if item is not None:  # (message, its bytes); None ends a wedged link
+            item[0].SerializeToString()
         super().put_nowait(item)
 
 
@@ -216,7 +217,11 @@ async def _linked_clients(coordinator: Coordinator, specs: dict[str, GenerateSpe
         link.submit(rid, spec)
     tokens, reasons = dict.fromkeys(specs, 0), dict.fromkeys(specs, "")
     while link.requests or not link.out.empty():
-        for rid, ev in events_from_proto(await link.out.get()):  # as the frontend reads them
+        item = await link.out.get()
+        if item is None:
+            raise RuntimeError(f"the link was closed: {link.wedged}")
+        link.taken(item[1])
+        for rid, ev in events_from_proto(item[0]):  # as the frontend reads them
             if ev.error:
                 raise RuntimeError(f"a request failed: {ev.error}")
             tokens[rid] += ev.token_id is not None

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from lockstep.coordinator.config import CoordinatorConfig
-from lockstep.coordinator.frontend_link import FrontendLinkServicer, start_link
+from lockstep.coordinator.frontend_link import FrontendLinkServicer, Link, start_link
 from lockstep.coordinator.service import Coordinator
 
 log = logging.getLogger("lockstep.api_workers")
@@ -80,6 +80,7 @@ class ApiWorkers:
             shutil.rmtree(link_dir, ignore_errors=True)
             raise
         workers = cls(config, model_dir, sock, link_dir, server, servicer)
+        servicer.on_wedged = workers.kill_wedged
         try:
             for _ in range(config.api_workers):
                 workers._spawn(None)
@@ -102,6 +103,14 @@ class ApiWorkers:
             self.started.append(time.monotonic())
         else:
             self.procs[slot], self.started[slot] = proc, time.monotonic()
+
+    def kill_wedged(self, link: Link) -> None:
+        """A frontend that stopped reading its link (its requests are aborted already) is killed, so the watch
+        starts it again: alive, it would keep taking connections on the shared port and answering none."""
+        for proc in self.procs:
+            if link.pid and proc.pid == link.pid and proc.poll() is None:
+                log.error("API frontend pid %d reads nothing of its link: killed, to be started again", proc.pid)
+                proc.kill()
 
     async def _until_linked(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -34,20 +34,24 @@ from lockstep.wire import WireError
 
 log = logging.getLogger("lockstep.link")
 
-# A frontend that takes nothing off its link for this long while events wait for it, or leaves this many bytes
-# of them waiting, is wedged (alive, its stream open, reading nothing): its requests are aborted and the link
-# takes no more, so the coordinator's memory and the ranks' pages do not grow behind it. gRPC's own buffers
-# take the first few hundred KB; the wait counts from when they are full.
+# A frontend that takes nothing off its link for this long while events wait for it, or has left this many bytes
+# of them waiting, is wedged (alive, its stream open, reading nothing): its requests are aborted, what waits for
+# it is dropped, and its process is killed and started again (ApiWorkers), so neither the coordinator's memory
+# nor the ranks' pages grow behind it. gRPC's own buffers take the first few MB; the wait counts from when they
+# are full. The byte cap is twice the largest message, so one step's events never trip it alone.
 LINK_STALL_S = 60.0
-LINK_BACKLOG_BYTES = 256 << 20
+LINK_BACKLOG_BYTES = 2 * MAX_MESSAGE
 
 
 class Link:
     """One frontend's requests and the events bound for it."""
 
-    def __init__(self, coordinator: Coordinator, link_id: str) -> None:
+    def __init__(self, coordinator: Coordinator, link_id: str, pid: int = 0,
+                 on_wedged: Callable[[Link], None] | None = None) -> None:
         self.coordinator = coordinator
         self.link_id = link_id
+        self.pid = pid  # the frontend's process, when it said (LinkHello.pid)
+        self.on_wedged = on_wedged
         self.requests: set[str] = set()  # submitted, not ended
         self.out: asyncio.Queue[tuple[fpb.StepEventsMsg, int] | None] = asyncio.Queue()  # (message, bytes); None: end
         self.backlog = 0  # bytes of the messages in `out`
@@ -75,13 +79,14 @@ class Link:
             return
         if self.out.empty():  # the stream has taken everything so far: it is not behind
             self.taken_at = time.monotonic()
+        waiting = self.backlog  # before this step's: what the stream has not taken since earlier steps
         for part in split_events(events, MESSAGE_BUDGET):
             msg = events_to_proto(part)
             size = msg.ByteSize()
             self.backlog += size
             self.out.put_nowait((msg, size))
         stalled = time.monotonic() - self.taken_at
-        if self.backlog > LINK_BACKLOG_BYTES or stalled > LINK_STALL_S:
+        if waiting > LINK_BACKLOG_BYTES or stalled > LINK_STALL_S:
             self._wedge(f"frontend {self.link_id} read nothing of its link for {stalled:.1f} s with "
                         f"{self.out.qsize()} messages ({self.backlog} bytes) waiting for it")
 
@@ -91,12 +96,17 @@ class Link:
         self.taken_at = time.monotonic()
 
     def _wedge(self, why: str) -> None:
-        """Abort every request of a frontend that stopped reading, refuse its new ones, and end its stream once
-        it reads again (it exits then, and is started again)."""
+        """Abort every request of a frontend that stopped reading, refuse its new ones, drop what waits for it, and
+        end its stream should it read again; its process is killed and started again (`on_wedged`)."""
         log.error("%s: its %d request(s) are aborted and the link is closed", why, len(self.requests))
         self.wedged = why
         self.close()
+        while not self.out.empty():
+            self.out.get_nowait()
+        self.backlog = 0
         self.out.put_nowait(None)
+        if self.on_wedged is not None:
+            self.on_wedged(self)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -125,12 +135,13 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.links: dict[str, Link] = {}
+        self.on_wedged: Callable[[Link], None] | None = None  # told of a frontend that stopped reading its link
 
     async def Events(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[fpb.StepEventsMsg]:
         if not request.link_id or request.link_id in self.links:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"link id {request.link_id!r} is empty or in use")
-        link = self.links[request.link_id] = Link(self.coordinator, request.link_id)
+        link = self.links[request.link_id] = Link(self.coordinator, request.link_id, request.pid, self.on_wedged)
         log.info("frontend %s linked", request.link_id)
         try:
             yield fpb.StepEventsMsg()  # linked: the frontend submits only after this

@@ -55,7 +55,7 @@ class RemoteCoordinator:
         await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
         desc = await self.stub.Describe(fpb.Empty())
         self.model_name, self.max_model_len, self.max_logprobs = desc.model_name, desc.max_model_len, desc.max_logprobs
-        self._events = self.stub.Events(fpb.LinkHello(link_id=self.link_id))
+        self._events = self.stub.Events(fpb.LinkHello(link_id=self.link_id, pid=os.getpid()))
         await asyncio.wait_for(self._events.read(), timeout_s)  # the empty first message: the link is open
 
     async def pump(self) -> None:

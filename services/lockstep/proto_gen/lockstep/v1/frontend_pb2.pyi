@@ -12,10 +12,12 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class LinkHello(_message.Message):
-    __slots__ = ("link_id",)
+    __slots__ = ("link_id", "pid")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     link_id: str
-    def __init__(self, link_id: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, link_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SubmitMsg(_message.Message):
     __slots__ = ("link_id", "request_id", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "max_tokens_given", "include_stop_str", "echo_only")
