@@ -231,3 +231,24 @@ def test_a_partly_refused_step_puts_its_running_requests_back_first_in_their_ord
     g.run_step(tamper=rank1_failed)
     assert g.sched.stats.preemptions == 3
     assert [r.request_id for r in g.sched.waiting] == ["r0", "r1", "r2", "late"]
+
+
+def test_the_admits_of_a_plan_built_ahead_of_a_partly_refused_step_wait_behind_what_that_step_preempted():
+    """The plan built ahead of a step only some ranks carried out admitted a request that came later than the
+    step's running ones; refused in turn, it puts that request back behind them, not in front (first come, first
+    served)."""
+    from dataclasses import replace
+
+    g, reqs = _decode_group(3, 20)
+    g.sched.max_num_seqs = 4
+    for _ in range(3):
+        g.run_step()
+    g.sched.add(Request("late", [9, 9, 9], SamplingParams(), 4))  # no prefix: admitted by the plan built ahead
+
+    def rank1_failed(reports):
+        reports[1] = replace(reports[1], error="rank 1: lost its device")
+
+    g.run_step(tamper=rank1_failed)
+    assert [a.request_id for a in g.ahead.admits] == ["late"]
+    g.run_step(tamper=rank1_failed)
+    assert [r.request_id for r in g.sched.waiting] == ["r0", "r1", "r2", "late"]

@@ -128,8 +128,10 @@ class Admitting:
         return any((req := self.requests.get(p.request_id)) is not None and req.status is waiting
                    for p in plan.probes)
 
-    def _unadmit(self, admits: Sequence[Admit]) -> None:
-        """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front."""
+    def _unadmit(self, admits: Sequence[Admit], behind: int = 0) -> None:
+        """Admissions of a plan no rank ran (each undid what it pinned): their requests wait again, in front, or
+        behind the first `behind` waiting (requests that ran before they were admitted, preempted since)."""
+        at = min(behind, len(self.waiting))
         for admit in reversed(admits):
             req = self.requests.get(admit.request_id)
             if req is not None and req.status is RequestStatus.RUNNING:
@@ -137,4 +139,4 @@ class Admitting:
                 req.status, req.num_computed = RequestStatus.WAITING, 0
                 if req.num_preemptions == 0:
                     req.cached_tokens = 0
-                self.waiting.appendleft(req)
+                self.waiting.insert(at, req)

@@ -101,6 +101,7 @@ class Scheduler(Admitting):
         self._flight: deque[Plan] = deque()  # plans built and not applied yet, oldest first
         self._spent: dict[str, list[int]] = {}  # the pages the last plan takes, per pool and rank
         self._after_refusal = -1  # a plan built ahead of a step that was then refused: refused in turn
+        self._preempted_ahead = 0  # requests that refused step preempted to the queue's front, ahead of its admits
         self._applied: int | None = None
         self._reports: list[Report] = []  # the last applied reports, pools filled in
         self._refused_in_a_row = 0
@@ -359,8 +360,9 @@ class Scheduler(Admitting):
     def _apply_failure(self, plan: Plan, reports: list[Report], failed: list[Report], events: list[Event]) -> None:
         if plan.step == self._after_refusal:  # built ahead of a refused step, so refused with it: nothing ran
             self._releases.extend(plan.releases)
-            self._unadmit(plan.admits)
+            self._unadmit(plan.admits, behind=self._preempted_ahead)  # those ran before these were admitted
             return
+        self._preempted_ahead = 0
         if self._flight:
             self._after_refusal = self._flight[0].step
         self.stats.failed_steps += 1
@@ -380,6 +382,7 @@ class Scheduler(Admitting):
             if req is not None and req.status is RequestStatus.RUNNING and chunk.request_id not in admitted:
                 preempted.append(self._preempt(req, self._releases))
         events.extend(reversed(preempted))
+        self._preempted_ahead = len(preempted)
 
     def _apply_success(self, plan: Plan, reports: list[Report], events: list[Event]) -> None:
         self._refused_in_a_row = 0
