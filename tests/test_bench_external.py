@@ -124,3 +124,19 @@ def test_each_request_carries_the_workloads_temperature_and_its_own_seed():
     assert not run.errors and len(bodies) == len(PROMPTS)
     for body in bodies:
         assert body["temperature"] == 0.7 and body["seed"] == PROMPTS.index(body["prompt"]), body
+
+
+def test_flags_that_only_set_up_the_runs_bench_starts_are_refused_with_url(capsys):
+    """With --url the server runs as it was started: --tp, --dtype or --kv-pages there would silently do nothing,
+    so they are a usage error naming them; the client's own flags are taken."""
+    from lockstep.bench.command import parse_args
+
+    url = ["--model", "m", "--url", "http://127.0.0.1:8000/v1"]
+    for extra, named in ((["--tp", "4"], "--tp"), (["--dtype", "float32"], "--dtype"),
+                         (["--kv-pages", "9", "--api-workers", "2"], "--kv-pages, --api-workers")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([*url, *extra])
+        assert exit_.value.code == 2 and f"{named}: " in capsys.readouterr().err
+    args = parse_args([*url, "--requests", "5", "--concurrency", "2", "--temperature", "0.5"])
+    assert args.requests == 5 and args.url == ["http://127.0.0.1:8000/v1"]
+    assert parse_args(["--model", "m", "--tp", "4"]).tp == 4  # without --url: the runs it starts

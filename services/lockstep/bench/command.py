@@ -65,6 +65,11 @@ def _rate(text: str) -> float:
     return value
 
 
+# What only the two runs lockstep bench starts itself take; an error with --url, where it would do nothing.
+_SERVED_ONLY = ("tp", "page_size", "kv_pages", "max_num_batched_tokens", "max_num_seqs", "no_prefix_caching",
+                "api_workers", "dtype", "only", "log_dir")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lockstep bench", description=bench_doc, epilog=CONTROL_PLANE_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +110,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                    help="with --url: Bearer key (default: $OPENAI_API_KEY)")
     args = p.parse_args(argv)
+    if args.url:
+        given = [f"--{name.replace('_', '-')}" for name in _SERVED_ONLY if getattr(args, name) != p.get_default(name)]
+        if given:
+            p.error(f"{', '.join(given)}: {'it sets' if len(given) == 1 else 'they set'} up the runs lockstep bench "
+                    "starts; with --url the server is already running as it was started")
     args.dtype = resolve(p, args, (DTYPE,), os.environ)["dtype"]
     if args.min_prompt > args.max_prompt:
         p.error(f"--min-prompt {args.min_prompt} is larger than --max-prompt {args.max_prompt}")
