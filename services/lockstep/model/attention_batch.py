@@ -373,15 +373,11 @@ class _SingleGather:
         rows, starts, queries = batch.singles
         n, ps = rows.shape[0], batch.page_size
         ends = starts + 1
-        if window is None:  # every row gathers from its first page
-            firsts = torch.zeros_like(ends)
-            counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor")
-            cols = torch.stack([rows, firsts, counts, firsts, ends, queries])
-        else:
-            lows = (ends - window).clamp_(min=0)
-            firsts = torch.div(lows, ps, rounding_mode="floor")
-            counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor") - firsts
-            cols = torch.stack([rows, firsts, counts, lows - firsts * ps, ends - firsts * ps, queries])
+        lows = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
+        firsts = torch.div(lows, ps, rounding_mode="floor")
+        counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor") - firsts
+        base = firsts * ps
+        cols = torch.stack([rows, firsts, counts, lows - base, ends - base, queries])
         order = torch.argsort(counts, descending=True, stable=True)
         longest = counts[order].tolist()
         sizes = _group_sizes(longest, call_pages)
