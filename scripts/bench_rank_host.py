@@ -7,13 +7,15 @@ gRPC streams, so its rank numbers move with everything else on the machine. This
 `NoopForwardEngine` (the serving `Engine`'s step with a forward that runs no model) directly with steady decode
 plans (every chunk pending, as with overlap) and times each part of the step in the engine's own order:
 
+- parse: the plan read off its serialized message (`plan_from_proto`: the batch's columns, checked);
 - prepare: `RankCache.prepare` (releases, admits, each chunk's pages);
 - resolve: the pending tokens put into the chunks;
 - inputs: the token ids and each pool's `AttentionBatch` (read off the block table) with its decode rows'
   groups, pages and masks (what the attention layers then read);
 - draw: the benchmark's stand-in for sampling (not serving work; listed so the sum adds up);
 - advance: each chunk's positions held and full pages committed to the prefix index;
-- finish: the probe answers and pool counts of the report.
+- finish: the probe answers and pool counts of the report;
+- report: the report's message, serialized.
 
 Torch runs on one thread, as a rank process of `lockstep serve` on a small machine does. `--call-tokens`
 groups the decode rows as another device would (`device.attention_call_tokens`: 16384 on a GPU, where a call
@@ -32,9 +34,11 @@ import torch
 from lockstep.bench.control_plane_rank import FIRST_TOKEN, NoopForwardEngine
 from lockstep.engine import _resolved
 from lockstep.model import attention_batch
-from lockstep.steps import PENDING_TOKEN, Admit, Chunk, Plan, SamplingParams
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
+from lockstep.steps import PENDING_TOKEN, Admit, Chunk, Plan, Report, Sampled, SamplingParams
+from lockstep.wire import plan_from_proto, plan_to_proto, report_to_proto
 
-PARTS = ("prepare", "resolve", "inputs", "draw", "advance", "finish")
+PARTS = ("parse", "prepare", "resolve", "inputs", "draw", "advance", "finish", "report")
 
 
 def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, page_size: int, seed: int,
@@ -57,9 +61,11 @@ def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, p
         raise RuntimeError(report.error)
     times: dict[str, list[float]] = {part: [] for part in (*PARTS, "step")}
     for step in range(1, warmup + steps + 1):
-        plan = Plan(step, batch=tuple(Chunk(r, (PENDING_TOKEN,), n + step - 1, True, params, step)
-                                      for r, n in lengths.items()))
+        sent = plan_to_proto(Plan(step, batch=tuple(Chunk(r, (PENDING_TOKEN,), n + step - 1, True, params, step)
+                                                    for r, n in lengths.items()))).SerializeToString()
         marks = [time.perf_counter()]
+        plan = plan_from_proto(pb.PlanMsg.FromString(sent))
+        marks.append(time.perf_counter())
         engine.cache.prepare(plan)
         marks.append(time.perf_counter())
         drawn, error = engine._pending_tokens(plan, "")
@@ -69,11 +75,15 @@ def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, p
         marks.append(time.perf_counter())
         engine._inputs(chunks)
         marks.append(time.perf_counter())
-        engine.drawn = {c.request_id: engine._draw(c, c.sample_index) for c in chunks}
+        engine.drawn = {r: engine._draw(r, s, i) for r, s, i in zip(chunks.request_ids, chunks.sampling,
+                                                                     chunks.sample_index, strict=True)}
         marks.append(time.perf_counter())
         engine.cache.advance_all(chunks)
         marks.append(time.perf_counter())
-        engine.cache.finish(plan)
+        probes, pools = engine.cache.finish(plan)
+        marks.append(time.perf_counter())
+        sampled = tuple(Sampled(r, t) for r, t in engine.drawn.items())
+        report_to_proto(Report(step, 0, sampled, probes, pools)).SerializeToString()
         marks.append(time.perf_counter())
         if step > warmup:
             for part, a, b in zip(PARTS, marks, marks[1:], strict=False):

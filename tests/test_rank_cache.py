@@ -92,6 +92,24 @@ def test_refusals_name_the_rank_and_keep_their_cause(plan, cause, words):
     assert cache.pool.owners() == ["a"]
 
 
+@pytest.mark.parametrize(
+    "chunk, words",
+    [
+        (Chunk("ghost", (1,), 5), "request ghost is not admitted"),
+        (Chunk("a", (1,), 6), "chunk starts at 6 but this rank holds 5 tokens"),
+        (Chunk("a", (), 5), "request a: empty chunk"),
+        (Chunk("a", (1, 2), 5), "position 7 is past the model's context"),
+    ],
+)
+def test_a_chunk_inside_a_page_it_holds_is_checked_as_any_other(chunk, words):
+    """Most decode chunks go into a page the request holds already, and skip the allocation; not the checks."""
+    cache = make(max_model_len=6)
+    run(cache, Plan(0, admits=(Admit("a"),), batch=(Chunk("a", (1, 2, 3, 4, 5), 0),)))
+    error = refusal(cache, Plan(1, batch=(chunk,)))
+    assert words in str(error) and cache.pool.owners() == ["a"] and len(cache.table("a")) == 2
+    run(cache, Plan(2, batch=(Chunk("a", (6,), 5),)))
+
+
 def test_the_flush_comes_after_the_pins_and_the_probes_after_the_flush():
     cache = make()
     run(cache, Plan(0, admits=(Admit("w"),), batch=(Chunk("w", PROMPT[:12], 0),)))

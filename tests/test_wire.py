@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
     PENDING_TOKEN,
@@ -27,6 +28,7 @@ from lockstep.steps import (
 )
 from lockstep.wire import (
     WireError,
+    _check_plan,
     info_from_proto,
     info_to_proto,
     plan_from_proto,
@@ -119,7 +121,7 @@ def test_plan_round_trip_is_lossless(plan):
     back = plan_from_proto(wire)
     assert back == plan
     assert all(type(k) is bytes for a in back.admits for k in a.prefix_keys)
-    assert isinstance(back.batch, tuple) and all(isinstance(c.token_ids, tuple) for c in back.batch)
+    assert isinstance(back.batch, ChunkColumns) and all(isinstance(c.token_ids, tuple) for c in back.batch)
 
 
 @settings(max_examples=150, deadline=None)
@@ -341,6 +343,15 @@ def _refusal(plan: Plan) -> str:
     return ""
 
 
+def _columns_refusal(batch: tuple[Chunk, ...]) -> str:
+    """What a rank's check of the same chunks as columns (as it reads them off the wire) says."""
+    try:
+        _check_plan(Plan(step=2, batch=ChunkColumns.of(batch)))
+    except WireError as e:
+        return str(e)
+    return ""
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(bad_chunks, max_size=4).map(tuple))
 def test_a_batch_is_refused_exactly_when_one_of_its_chunks_alone_is_and_names_the_first(batch):
@@ -353,3 +364,14 @@ def test_a_batch_is_refused_exactly_when_one_of_its_chunks_alone_is_and_names_th
         assert why == ""
     else:
         assert why == alone[first].replace("batch[0]", f"batch[{first}]", 1)
+    assert _columns_refusal(batch) == why
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(bad_chunks, pending_chunks, st.builds(
+    Chunk, request_id=st.just("d"), token_ids=st.sampled_from([(-1,), (-2,), (3,)]), start=st.integers(0, 3),
+    sample=st.booleans(), history=st.none() | st.just(()))), min_size=1, max_size=5).map(tuple))
+def test_columns_are_refused_exactly_when_their_chunks_are(batch):
+    """The columns' own check (a few `min`s over a decode step) passes only what the per-chunk check passes, and
+    a refusal names the same chunk and reason: decode-only batches with pending tokens included."""
+    assert _columns_refusal(batch) == _refusal(Plan(step=2, batch=batch))

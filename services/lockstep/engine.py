@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.device import pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
@@ -126,6 +127,8 @@ class Engine:
     def step(self, plan: Plan) -> Report:
         """Carry out one plan in the order of the step protocol; the report is what this rank holds after it."""
         t0 = time.perf_counter()
+        if not isinstance(plan.batch, ChunkColumns):  # a plan made here, not read off the wire (tests, benchmarks)
+            plan = dataclasses.replace(plan, batch=ChunkColumns.of(plan.batch))
         if plan.release_all:
             self.penalties.clear()
         self.penalties.release(plan.releases)  # a released request is admitted again with its history
@@ -159,7 +162,8 @@ class Engine:
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         """The sampling rank's tokens of the last step for the plan's pending chunks (overlap), in batch order,
         and the step's error: a pending token it did not draw (the last step was refused) refuses this one."""
-        pending = [c.request_id for c in plan.batch if c.pending]
+        batch = ChunkColumns.of(plan.batch)
+        pending = [batch.request_ids[i] for i in batch.pending()]
         if not pending or self.comm.rank != SAMPLING_RANK:
             return [0] * len(pending), error
         missing = [rid for rid in pending if rid not in self.drawn]
@@ -210,15 +214,13 @@ class Engine:
             log.exception("rank 0: the forward of step %d failed", plan.step)
             return ((), ()), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
-    def _inputs(self, batch: tuple[Chunk, ...]) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
+    def _inputs(self, batch: ChunkColumns) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
         """The forward's token ids and each KV pool's attention batch: the host's share of a step, read off the
         RankCache's block tables (one row per request, kept as its pages change)."""
-        ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long, device=self.device)
-        rows = [self.cache.row(c.request_id) for c in batch]
-        starts = [c.start for c in batch]
-        lens = [len(c.token_ids) for c in batch]
-        batches = {name: AttentionBatch.from_table(self._host_table(name), rows, starts, lens, self.cache.page_size,
-                                                   self.device)
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        rows = self.cache.rows(batch.request_ids)
+        batches = {name: AttentionBatch.from_table(self._host_table(name), rows, batch.starts, batch.token_counts,
+                                                   self.cache.page_size, self.device)
                    for name in self.cache.pools}
         for name, batch in batches.items():  # here, not in the first layer: a GPU's copies stay out of the forward
             if batch.single_seqs:
@@ -234,26 +236,26 @@ class Engine:
                 table.rows, table.cols))
         return made[1]
 
-    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+    def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         ids, attn = self._inputs(batch)
         logits, scored = self._forward_and_score(batch, ids, attn)
-        rows = [i for i, c in enumerate(batch) if c.sample]
+        rows = [i for i, s in enumerate(batch.sample) if s]
         sampled: tuple[Sampled, ...] = ()
         if rows and self.comm.rank == SAMPLING_RANK:
-            chosen = [batch[i] for i in rows]
-            tokens = sample(
-                self._adjusted(batch, rows, logits),
-                [c.sampling for c in chosen],
-                lambda i: sample_seed(chosen[i].request_id, chosen[i].sampling.seed, chosen[i].sample_index),
-            )
-            sampled = tuple(Sampled(c.request_id, t) for c, t in zip(chosen, tokens, strict=True))
-            sampled = _with_logprobs(sampled, logits[rows], [c.sampling.logprobs for c in chosen])
+            rids, indexes = batch.request_ids, batch.sample_index
+            params = [batch.sampling[i] for i in rows]
+            tokens = sample(self._adjusted(batch, rows, logits), params,
+                            lambda j: sample_seed(rids[rows[j]], params[j].seed, indexes[rows[j]]))
+            sampled = tuple(Sampled(rids[i], t) for i, t in zip(rows, tokens, strict=True))
+            sampled = _with_logprobs(sampled, logits[rows], [p.logprobs for p in params])
         self.cache.advance_all(batch)
         return sampled, scored
 
-    def _adjusted(self, batch: tuple[Chunk, ...], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def _adjusted(self, batch: ChunkColumns, rows: list[int], logits: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits to draw from: with their penalties and biases (greedy included), from the
         token counts this rank keeps, which every chunk of a penalized request updates. Logprobs stay raw."""
+        if not any(s.adjusts_logits for s in batch.distinct_sampling):
+            return logits[rows]
         counts = {c.request_id: self.penalties.counts(c) for c in batch if c.sampling.needs_history}
         vocab = logits.shape[-1]
         adjust = [RowPenalty.of(batch[i].sampling, batch[i].sample_index, counts.get(batch[i].request_id), vocab)
@@ -262,11 +264,11 @@ class Engine:
             return logits[rows]
         return penalize(logits[rows], adjust)
 
-    def _forward_and_score(self, batch: tuple[Chunk, ...], ids: torch.Tensor, attn: dict[str, AttentionBatch]
+    def _forward_and_score(self, batch: ChunkColumns, ids: torch.Tensor, attn: dict[str, AttentionBatch]
                            ) -> tuple[torch.Tensor, tuple[PromptLogprobs, ...]]:
         """(the logits of each chunk's last position, the prompt scores of the chunks that ask): the logits of
         every position of a chunk that scores its prompt, and only of the last position of the others."""
-        if not any(c.prompt_logprobs >= 0 for c in batch):
+        if not any(prompt_logprobs >= 0 for prompt_logprobs, _, _ in batch.extras.values()):
             with torch.inference_mode():
                 return self.model(ids, attn, self.kv), ()
         rows: list[int] = []
@@ -287,9 +289,7 @@ class Engine:
 
 def _resolved(plan: Plan, drawn: list[int]) -> Plan:
     """The plan with its pending chunks' tokens filled in, in batch order."""
-    tokens = iter(drawn)
-    batch = tuple(c.resolved(next(tokens)) if c.pending else c for c in plan.batch)
-    return dataclasses.replace(plan, batch=batch)
+    return dataclasses.replace(plan, batch=ChunkColumns.of(plan.batch).resolved(drawn))
 
 
 def _prompt_scores(batch: tuple[Chunk, ...], logits: torch.Tensor, firsts: list[int]) -> tuple[PromptLogprobs, ...]:

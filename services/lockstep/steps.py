@@ -199,9 +199,13 @@ class TokenLogprobs:
         object.__setattr__(self, "rank", int(self.rank))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Sampled:
-    """One request's sampled token; with `logprobs` when its chunk asked for them (SamplingParams.logprobs)."""
+    """One request's sampled token; with `logprobs` when its chunk asked for them (SamplingParams.logprobs).
+
+    Not frozen, though no one changes one once made (as `Chunk`): a step makes one per request on the sampling
+    rank and again on the coordinator, and a frozen dataclass's `__init__` costs several times a slotted one's.
+    """
 
     request_id: str
     token_id: int

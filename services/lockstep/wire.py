@@ -10,9 +10,9 @@ plan is refused as a whole instead of being half carried out.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
     PENDING_TOKEN,
@@ -52,9 +52,12 @@ def _request_id(request_id: str, where: str) -> str:
     return request_id
 
 
-def _check_batch(batch: tuple[Chunk, ...], where: str) -> None:
+def _check_batch(batch: Sequence[Chunk], where: str) -> None:
     """Every chunk, with each distinct sampling checked once (a decode step repeats every request's) and the
-    message, which names the chunk, formatted only for one that fails."""
+    message, which names the chunk, formatted only for one that fails. Columns that pass `_columns_pass` are
+    not read a chunk at a time."""
+    if isinstance(batch, ChunkColumns) and _columns_pass(batch):
+        return
     distinct = {id(c.sampling): c.sampling for c in batch}
     sampling_errors = {key: _sampling_error(sampling) for key, sampling in distinct.items()}
     for i, c in enumerate(batch):
@@ -63,6 +66,31 @@ def _check_batch(batch: tuple[Chunk, ...], where: str) -> None:
             at = f"{where} batch[{i}]"
             _request_id(c.request_id, at)
             raise WireError(f"{at} ({c.request_id!r}): {why}")
+
+
+def _columns_pass(b: ChunkColumns) -> bool:
+    """Whether every chunk passes `_chunk_error` and its sampling `_sampling_error`, column by column (a plan of 256
+    decodes is a few `min`s); False sends the batch to the per-chunk check, which names what fails."""
+    if not b.request_ids:
+        return True
+    if not all(type(r) is str and r for r in b.request_ids) or min(b.token_counts) < 1 or min(b.starts) < 0:
+        return False
+    if min(b.sample_index) < 0 or any(_sampling_error(s) for s in b.distinct_sampling) or not _extras_pass(b):
+        return False
+    if min(b.token_ids) >= 0:
+        return True
+    return b.one_token_each and all(t == PENDING_TOKEN and b.sample[i] for i, t in enumerate(b.token_ids) if t < 0)
+
+
+def _extras_pass(b: ChunkColumns) -> bool:
+    """`_columns_pass` for the fields only a few chunks carry."""
+    for i, (prompt_logprobs, next_token_id, history) in b.extras.items():
+        if prompt_logprobs < -1 or next_token_id < -1:
+            return False
+        if history is not None and (len(history) != b.starts[i] or b.token_ids[b.offsets[i]] == PENDING_TOKEN
+                                    or (history and min(history) < 0)):
+            return False
+    return True
 
 
 def _chunk_error(c: Chunk) -> str:
@@ -155,38 +183,29 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
     return msg
 
 
-def _batch_to_proto(msg: pb.PlanMsg, batch: tuple[Chunk, ...]) -> None:
+def _batch_to_proto(msg: pb.PlanMsg, batch: Sequence[Chunk]) -> None:
     """The chunks as BatchMsg columns, each distinct sampling once in `msg.samplings`."""
-    b = msg.batch
-    rids, counts, tokens, starts, samples, indexes, refs = [], [], [], [], [], [], []
+    cols, b = ChunkColumns.of(batch), msg.batch
     table: dict[SamplingParams, int] = {}
-    for i, c in enumerate(batch):
-        rids.append(c.request_id)
-        counts.append(len(c.token_ids))
-        tokens.extend(c.token_ids)
-        starts.append(c.start)
-        samples.append(c.sample)
-        indexes.append(c.sample_index)
-        ref = table.get(c.sampling)
-        if ref is None:
-            ref = table[c.sampling] = len(table)
-        refs.append(ref)
-        if c.history is not None or c.prompt_logprobs != -1 or c.next_token_id != -1:
-            extra = b.extras[i]
-            if c.prompt_logprobs != -1:
-                extra.prompt_logprobs = c.prompt_logprobs
-            if c.next_token_id != -1:
-                extra.next_token_id = c.next_token_id
-            if c.history is not None:
-                extra.history.SetInParent()
-                extra.history.token_ids.extend(c.history)
-    b.request_ids.extend(rids)
-    b.token_counts.extend(counts)
-    b.token_ids.extend(tokens)
-    b.starts.extend(starts)
-    b.sample.extend(samples)
-    b.sample_index.extend(indexes)
-    b.sampling.extend(refs)
+    for s in cols.sampling:
+        if s not in table:
+            table[s] = len(table)
+    for i, (prompt_logprobs, next_token_id, history) in cols.extras.items():
+        extra = b.extras[i]
+        if prompt_logprobs != -1:
+            extra.prompt_logprobs = prompt_logprobs
+        if next_token_id != -1:
+            extra.next_token_id = next_token_id
+        if history is not None:
+            extra.history.SetInParent()
+            extra.history.token_ids.extend(history)
+    b.request_ids.extend(cols.request_ids)
+    b.token_counts.extend(cols.token_counts)
+    b.token_ids.extend(cols.token_ids)
+    b.starts.extend(cols.starts)
+    b.sample.extend(cols.sample)
+    b.sample_index.extend(cols.sample_index)
+    b.sampling.extend([table[s] for s in cols.sampling])
     msg.samplings.extend([sampling_bytes(s) for s in table])
 
 
@@ -241,32 +260,21 @@ def sampling_from_bytes(raw: bytes) -> SamplingParams:
     return found
 
 
-def _batch_from_proto(msg: pb.PlanMsg) -> tuple[Chunk, ...]:
-    """The chunks of BatchMsg's columns (the per-chunk checks follow in `_check_plan`)."""
+def _batch_from_proto(msg: pb.PlanMsg) -> ChunkColumns:
+    """BatchMsg's columns as a rank keeps them (the per-chunk checks follow in `_check_plan`)."""
     rids, counts, tokens, starts, samples, indexes, refs = _columns(msg)
     samplings = [sampling_from_bytes(s) for s in msg.samplings] or [SamplingParams()]
     if refs and not 0 <= min(refs) <= max(refs) < len(samplings):
         raise WireError(f"plan {msg.step} batch: sampling references {min(refs)}..{max(refs)} outside the plan's "
                         f"{len(samplings)} sampling parameters")
-    if counts and max(counts) == 1:
-        runs = [(t,) for t in tokens]
-    else:
-        runs, at = [], 0
-        for k in counts:
-            runs.append(tuple(tokens[at:at + k]))
-            at += k
-    chunks = [Chunk(r, t, st, sm, samplings[ref], ix)
-              for r, t, st, sm, ref, ix in zip(rids, runs, starts, samples, refs, indexes, strict=True)]
+    extras = {}
     for i, extra in msg.batch.extras.items():
-        if not 0 <= i < len(chunks):
-            raise WireError(f"plan {msg.step} batch: extras for chunk {i} of {len(chunks)}")
-        chunks[i] = dataclasses.replace(
-            chunks[i],
-            prompt_logprobs=extra.prompt_logprobs if extra.HasField("prompt_logprobs") else -1,
-            next_token_id=extra.next_token_id if extra.HasField("next_token_id") else -1,
-            history=tuple(extra.history.token_ids) if extra.HasField("history") else None,
-        )
-    return tuple(chunks)
+        if not 0 <= i < len(rids):
+            raise WireError(f"plan {msg.step} batch: extras for chunk {i} of {len(rids)}")
+        extras[i] = (extra.prompt_logprobs if extra.HasField("prompt_logprobs") else -1,
+                     extra.next_token_id if extra.HasField("next_token_id") else -1,
+                     tuple(extra.history.token_ids) if extra.HasField("history") else None)
+    return ChunkColumns(rids, counts, tokens, starts, samples, indexes, [samplings[r] for r in refs], extras)
 
 
 def _columns(msg: pb.PlanMsg) -> tuple[list, ...]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.engine import Engine, sample_seed
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
@@ -40,7 +41,7 @@ from lockstep.model.sampling import is_greedy
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.rank import service
 from lockstep.rank.main import RankConfig, run
-from lockstep.steps import Chunk, Plan, PromptLogprobs, Sampled
+from lockstep.steps import Plan, PromptLogprobs, Sampled, SamplingParams
 
 log = logging.getLogger("lockstep.bench.control_plane_rank")
 
@@ -90,23 +91,26 @@ class NoopForwardEngine(Engine):
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         if self.agreement:
             return super()._pending_tokens(plan, error)
-        return [self._draw(c, c.sample_index - 1) for c in plan.batch if c.pending], error
+        b = ChunkColumns.of(plan.batch)
+        return [self._draw(b.request_ids[i], b.sampling[i], b.sample_index[i] - 1) for i in b.pending()], error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
         return super()._agree(step, error, drawn) if self.agreement else (bool(error), drawn)
 
-    def _draw(self, chunk: Chunk, index: int) -> int:
+    def _draw(self, request_id: str, sampling: SamplingParams, index: int) -> int:
         """A token only (request, index) decides: a greedy row's from its index alone (the real sampler derives no
         seed for it), a drawn row's from its per-draw seed, as the real sampler's."""
-        if is_greedy(chunk.sampling):
-            mixed = zlib.crc32(f"{chunk.request_id}/{index}".encode())
+        if is_greedy(sampling):
+            mixed = zlib.crc32(f"{request_id}/{index}".encode())
         else:
-            mixed = sample_seed(chunk.request_id, chunk.sampling.seed, index)
+            mixed = sample_seed(request_id, sampling.seed, index)
         return FIRST_TOKEN + mixed % (self.config.vocab_size - FIRST_TOKEN)
 
-    def _run(self, batch: tuple[Chunk, ...]) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+    def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
-        sampled = tuple(Sampled(c.request_id, self._draw(c, c.sample_index)) for c in batch if c.sample)
+        sampled = tuple(Sampled(rid, self._draw(rid, s, i))
+                        for rid, s, i, go in zip(batch.request_ids, batch.sampling, batch.sample_index, batch.sample,
+                                                 strict=True) if go)
         self.cache.advance_all(batch)
         return sampled, ()
 

@@ -23,9 +23,10 @@ go back, cached ones to the evictable set. A prefix of L pages is pinned in `ful
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.kv.allocator import OutOfPages, PagePool, PrefixNotHeld
 from lockstep.kv.block_table import BlockTable
 from lockstep.kv.page_keys import next_key
@@ -118,8 +119,13 @@ class RankCache:
                 return
             for admit in plan.admits:
                 self._admit(admit)
-            for chunk in plan.batch:
-                self._reserve(chunk)
+            b = ChunkColumns.of(plan.batch)
+            seqs, ps, limit = self._seqs, self.page_size, self.max_model_len
+            for request_id, start, n in zip(b.request_ids, b.starts, b.token_counts, strict=True):
+                seq = seqs.get(request_id)
+                # most of a decode step: n >= 1 tokens from where the rank is, into the page it holds already
+                if seq is None or seq.length != start or not 0 < start % ps <= ps - n < ps or start + n > limit:
+                    self._reserve(request_id, start, n)
         except (PrefixNotHeld, OutOfPages, StepRefused, ValueError) as exc:
             raise StepRefused(f"rank {self.rank}: {exc}") from exc
         except Exception as exc:
@@ -151,26 +157,45 @@ class RankCache:
         """The request's row in every pool's `block_tables`."""
         return self._seqs[request_id].row
 
+    def rows(self, request_ids: Iterable[str]) -> list[int]:
+        """Each request's row (`row`), in one pass over a step's requests."""
+        seqs = self._seqs
+        return [seqs[rid].row for rid in request_ids]
+
     def advance(self, chunk: Chunk) -> None:
         """The chunk was computed: hold its positions and commit the pages it filled into the index."""
         self.advance_all((chunk,))
 
-    def advance_all(self, chunks: Iterable[Chunk]) -> None:
-        """Every chunk of a step was computed (`advance` each): one loop, since a decode step at batch 256 runs it
-        per request and most of them only count a token (a page fills one step in page_size)."""
-        seqs, ps, caching = self._seqs, self.page_size, self.prefix_caching
+    def advance_all(self, chunks: Sequence[Chunk]) -> None:
+        """Every chunk of a step was computed (`advance` each): one loop over the step's columns, since a decode
+        step at batch 256 runs it per request and most of them only count a token (a page fills one step in
+        page_size)."""
+        b = ChunkColumns.of(chunks)
+        seqs, ps, caching, tokens = self._seqs, self.page_size, self.prefix_caching, b.token_ids
         sliding = self.pools.get(POOL_SLIDING)
-        for chunk in chunks:
-            seq = seqs[chunk.request_id]
-            seq.length += len(chunk.token_ids)
-            if caching:
-                seq.pending.extend(chunk.token_ids)
+        at = None if b.one_token_each else b.offsets
+        if at is None and caching and sliding is None:  # a decode step of one pool: the same loop, less to ask
+            for rid, token in zip(b.request_ids, tokens, strict=True):
+                seq = seqs[rid]
+                seq.length += 1
+                seq.pending.append(token)
                 if len(seq.pending) >= ps:
-                    self._commit(chunk.request_id, seq)
+                    self._commit(rid, seq)
+            return
+        for i, (rid, n) in enumerate(zip(b.request_ids, b.token_counts, strict=True)):
+            seq = seqs[rid]
+            seq.length += n
+            if caching:
+                if at is None:
+                    seq.pending.append(tokens[i])
+                else:
+                    seq.pending.extend(tokens[at[i]:at[i] + n])
+                if len(seq.pending) >= ps:
+                    self._commit(rid, seq)
             if sliding is not None:
                 first = first_page(seq.length, self.window, ps)
                 if first > seq.first:
-                    sliding.drop_front(chunk.request_id, first - seq.first)
+                    sliding.drop_front(rid, first - seq.first)
                     self.block_tables[POOL_SLIDING].clear(seq.row, seq.first, first - seq.first)
                     seq.first = first
 
@@ -302,23 +327,22 @@ class RankCache:
         for name, pages in pinned.items():
             self.block_tables[name].write(seq.row, first if name == POOL_SLIDING else 0, pages)
 
-    def _reserve(self, chunk: Chunk) -> None:
-        seq = self._seqs.get(chunk.request_id)
+    def _reserve(self, request_id: str, start: int, n: int) -> None:
+        """The pages of a chunk of n tokens from `start`."""
+        seq = self._seqs.get(request_id)
         if seq is None:
-            raise StepRefused(f"request {chunk.request_id} is not admitted")
-        if chunk.start != seq.length:
-            raise StepRefused(
-                f"request {chunk.request_id}: chunk starts at {chunk.start} but this rank holds {seq.length} tokens"
-            )
-        if not chunk.token_ids:
-            raise StepRefused(f"request {chunk.request_id}: empty chunk")
-        end = chunk.start + len(chunk.token_ids)
+            raise StepRefused(f"request {request_id} is not admitted")
+        if start != seq.length:
+            raise StepRefused(f"request {request_id}: chunk starts at {start} but this rank holds {seq.length} tokens")
+        if n < 1:
+            raise StepRefused(f"request {request_id}: empty chunk")
+        end = start + n
         if end > self.max_model_len:
-            raise StepRefused(f"request {chunk.request_id}: position {end} is past the model's context")
+            raise StepRefused(f"request {request_id}: position {end} is past the model's context")
         pages = pages_for(end, self.page_size)
         if pages <= pages_for(seq.length, self.page_size):  # every pool covers [0, length) already (`check`)
             return
         for name, pool in self.pools.items():
-            held = pool.held(chunk.request_id) + (seq.first if name == POOL_SLIDING else 0)
+            held = pool.held(request_id) + (seq.first if name == POOL_SLIDING else 0)
             if pages > held:
-                self.block_tables[name].write(seq.row, held, pool.allocate(chunk.request_id, pages - held))
+                self.block_tables[name].write(seq.row, held, pool.allocate(request_id, pages - held))

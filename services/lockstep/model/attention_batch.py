@@ -8,6 +8,7 @@ gathered in groups of like length (`single_gathers`), each group one padded atte
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,13 +127,14 @@ class AttentionBatch:
         """
         if not rows:
             raise ValueError("an attention batch needs at least one sequence")
+        if not len(rows) == len(starts) == len(lens):
+            raise ValueError(f"{len(rows)} rows, {len(starts)} starts and {len(lens)} lengths for one batch")
         if min(lens) < 1 or min(starts) < 0:
             raise ValueError(f"every sequence needs a start >= 0 and a token, got starts {min(starts)}.., "
                              f"lengths {min(lens)}..")
-        cols = table.shape[1]
-        if pages_for(max(s + n for s, n in zip(starts, lens, strict=True)), page_size) > cols:
-            raise ValueError(f"positions up to {max(s + n for s, n in zip(starts, lens, strict=True))} need more "
-                             f"than the table's {cols} pages")
+        cols, end = table.shape[1], max(map(operator.add, starts, lens))
+        if pages_for(end, page_size) > cols:
+            raise ValueError(f"positions up to {end} need more than the table's {cols} pages")
         if max(lens) == 1:  # a decode step: one token per sequence, so every column is a tensor operation
             n = len(rows)
             singles = _on("cpu", [*rows, *starts, *range(n)]).view(3, n)  # row, position, query row

@@ -1,0 +1,134 @@
+"""A step's chunks as columns: how a rank holds a plan's batch.
+
+A plan's batch travels as columns (`BatchMsg`: entry i of each is chunk i), and a rank's step reads
+columns: the token ids, table rows, starts and lengths its inputs are built from, the sampling rows, the
+tokens its cache takes in. Making a `Chunk` per request and reading it apart again was most of a rank's
+host time at batch 256, so `ChunkColumns` keeps the columns, and makes a `Chunk` only for whoever indexes
+or iterates it (the tests, the rare paths: prompt scoring, penalties). It is a `Sequence[Chunk]` equal to
+the tuple of the same chunks, so a plan holds either, and its users read it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from itertools import accumulate
+from typing import overload
+
+from lockstep.steps import PENDING_TOKEN, Chunk, SamplingParams
+
+# a chunk's rare fields, by its index: (prompt_logprobs, next_token_id, history), as Chunk holds them
+Extras = tuple[int, int, "tuple[int, ...] | None"]
+NO_EXTRAS: Extras = (-1, -1, None)
+
+
+class ChunkColumns(Sequence[Chunk]):
+    """Entry i of each column is chunk i: `token_ids` holds every chunk's tokens one after another,
+    `token_counts[i]` of them chunk i's, and `sampling[i]` is chunk i's parameters (objects shared by the
+    chunks whose parameters are equal)."""
+
+    def __init__(self, request_ids: list[str], token_counts: list[int], token_ids: list[int], starts: list[int],
+                 sample: list[bool], sample_index: list[int], sampling: list[SamplingParams],
+                 extras: dict[int, Extras] | None = None) -> None:
+        self.request_ids = request_ids
+        self.token_counts = token_counts
+        self.token_ids = token_ids
+        self.starts = starts
+        self.sample = sample
+        self.sample_index = sample_index
+        self.sampling = sampling
+        self.extras = extras or {}
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk]) -> ChunkColumns:
+        """The chunks' columns; columns already are their own."""
+        if isinstance(chunks, ChunkColumns):
+            return chunks
+        out = cls([], [], [], [], [], [], [], {})
+        for i, c in enumerate(chunks):
+            out.request_ids.append(c.request_id)
+            out.token_counts.append(len(c.token_ids))
+            out.token_ids.extend(c.token_ids)
+            out.starts.append(c.start)
+            out.sample.append(c.sample)
+            out.sample_index.append(c.sample_index)
+            out.sampling.append(c.sampling)
+            if c.prompt_logprobs != -1 or c.next_token_id != -1 or c.history is not None:
+                out.extras[i] = (c.prompt_logprobs, c.next_token_id, c.history)
+        return out
+
+    @cached_property
+    def one_token_each(self) -> bool:
+        """Whether every chunk is one token (a decode step): then chunk i's token is token_ids[i]."""
+        return not self.token_counts or min(self.token_counts) == 1 == max(self.token_counts)
+
+    @cached_property
+    def offsets(self) -> list[int]:
+        """Where each chunk's tokens start in `token_ids`, and their end last."""
+        return list(accumulate(self.token_counts, initial=0))
+
+    @cached_property
+    def distinct_sampling(self) -> list[SamplingParams]:
+        """The batch's parameters, each object once (a decode step repeats every request's)."""
+        return list({id(s): s for s in self.sampling}.values())
+
+    def tokens(self, i: int) -> tuple[int, ...]:
+        if self.one_token_each:
+            return (self.token_ids[i],)
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return tuple(self.token_ids[a:b])
+
+    def pending(self) -> list[int]:
+        """The chunks whose token is the one the step before sampled (overlap), in batch order."""
+        if self.one_token_each:
+            return [i for i, t in enumerate(self.token_ids) if t == PENDING_TOKEN]
+        at = self.offsets
+        return [i for i, n in enumerate(self.token_counts) if n == 1 and self.token_ids[at[i]] == PENDING_TOKEN]
+
+    def resolved(self, drawn: Sequence[int]) -> ChunkColumns:
+        """These columns with the pending chunks' tokens filled in by `drawn`, in batch order."""
+        pending = self.pending()
+        if len(pending) != len(drawn):
+            raise ValueError(f"{len(drawn)} tokens for {len(pending)} pending chunks")
+        if not pending:
+            return self
+        tokens = list(self.token_ids)
+        at = None if self.one_token_each else self.offsets
+        for i, token in zip(pending, drawn, strict=True):
+            tokens[i if at is None else at[i]] = token
+        return ChunkColumns(self.request_ids, self.token_counts, tokens, self.starts, self.sample,
+                            self.sample_index, self.sampling, self.extras)
+
+    def chunk(self, i: int) -> Chunk:
+        """Chunk i, made from the columns."""
+        return Chunk(self.request_ids[i], self.tokens(i), self.starts[i], self.sample[i], self.sampling[i],
+                     self.sample_index[i], *self.extras.get(i, NO_EXTRAS))
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> Chunk: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Chunk, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Chunk | tuple[Chunk, ...]:
+        if isinstance(i, slice):
+            return tuple(self.chunk(j) for j in range(len(self))[i])
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"chunk {i} of {len(self)}")
+        return self.chunk(i % len(self))
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return (self.chunk(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkColumns | tuple | list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as a tuple of chunks: they are not hashable
+
+    def __repr__(self) -> str:
+        return f"ChunkColumns({tuple(self)!r})"
