@@ -57,4 +57,7 @@ def test_a_wrong_number_of_tokens_or_a_chunk_past_the_end_is_refused():
         cols.resolved([1, 2])
     with pytest.raises(IndexError, match="chunk 1 of 1"):
         cols[1]
-    assert cols != "a" and cols != (Chunk("a", (5,), 4, True),)
+    assert cols != "a" and cols != (Chunk("a", (5,), 4, True),) and cols != list(cols)
+    assert hash(ChunkColumns.of(())) == hash(()) and ChunkColumns.of(()) != []
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(cols)

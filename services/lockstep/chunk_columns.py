@@ -124,11 +124,13 @@ class ChunkColumns(Sequence[Chunk]):
         return (self.chunk(i) for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, ChunkColumns | tuple | list):
+        if isinstance(other, ChunkColumns | tuple):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  # as a tuple of chunks: they are not hashable
+    def __hash__(self) -> int:
+        """As the tuple of its chunks': an empty batch hashes, a chunk does not."""
+        return hash(tuple(self))
 
     def __repr__(self) -> str:
         return f"ChunkColumns({tuple(self)!r})"

@@ -187,9 +187,7 @@ def _batch_to_proto(msg: pb.PlanMsg, batch: Sequence[Chunk]) -> None:
     """The chunks as BatchMsg columns, each distinct sampling once in `msg.samplings`."""
     cols, b = ChunkColumns.of(batch), msg.batch
     table: dict[SamplingParams, int] = {}
-    for s in cols.sampling:
-        if s not in table:
-            table[s] = len(table)
+    refs = [table.setdefault(s, len(table)) for s in cols.sampling]
     for i, (prompt_logprobs, next_token_id, history) in cols.extras.items():
         extra = b.extras[i]
         if prompt_logprobs != -1:
@@ -205,7 +203,7 @@ def _batch_to_proto(msg: pb.PlanMsg, batch: Sequence[Chunk]) -> None:
     b.starts.extend(cols.starts)
     b.sample.extend(cols.sample)
     b.sample_index.extend(cols.sample_index)
-    b.sampling.extend([table[s] for s in cols.sampling])
+    b.sampling.extend(refs)
     msg.samplings.extend([sampling_bytes(s) for s in table])
 
 
