@@ -36,7 +36,7 @@ from lockstep.kv.rank_cache import RankCache  # noqa: E402
 from lockstep.model import layers  # noqa: E402
 from lockstep.model.attention import AttentionBatch  # noqa: E402
 from lockstep.model.builtin import resolve_model  # noqa: E402
-from lockstep.steps import Admit, Chunk, Plan  # noqa: E402
+from lockstep.steps import Admit, Chunk, Plan, SamplingParams  # noqa: E402
 
 SPENT: dict[str, float] = defaultdict(float)  # every wrapped call's time
 BUILT: list[AttentionBatch] = []  # the last attention batch built, to show how decode attention grouped it
@@ -85,15 +85,17 @@ def instrument() -> None:
     RankCache.advance = _timed("page bookkeeping", RankCache.advance)
 
 
-def decode_plans(engine: Engine, prompts: list[list[int]], steps: int, on_step: Callable[[Plan], None]) -> None:
+def decode_plans(engine: Engine, prompts: list[list[int]], steps: int, on_step: Callable[[Plan], None],
+                 sampling: SamplingParams | None = None) -> None:
     """Admit and prefill the prompts, then run `steps` decode steps through `on_step`, then release them."""
     ids = [f"p{i}" for i in range(len(prompts))]
+    sampling = sampling or SamplingParams()
     report = engine.step(Plan(0, admits=tuple(Admit(r) for r in ids), batch=tuple(
-        Chunk(r, tuple(p), 0, sample=True) for r, p in zip(ids, prompts, strict=True))))
+        Chunk(r, tuple(p), 0, sample=True, sampling=sampling) for r, p in zip(ids, prompts, strict=True))))
     last = {s.request_id: s.token_id for s in report.sampled}
     for i in range(1, steps + 1):
-        plan = Plan(i, batch=tuple(Chunk(r, (last[r],), len(p) + i - 1, sample=True, sample_index=i)
-                                   for r, p in zip(ids, prompts, strict=True)))
+        plan = Plan(i, batch=tuple(Chunk(r, (last[r],), len(p) + i - 1, sample=True, sampling=sampling,
+                                         sample_index=i) for r, p in zip(ids, prompts, strict=True)))
         on_step(plan)
         last = {s.request_id: s.token_id for s in engine_module.LAST_REPORT.sampled}
     engine.step(Plan(steps + 1, releases=tuple(ids)))
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy, the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(resolve_model(args.model))
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in SPENT.items():
             PARTS[k] += v - before.get(k, 0.0)
 
-    decode_plans(engine, prompts, args.steps, timed_step)
+    decode_plans(engine, prompts, args.steps, timed_step, SamplingParams(temperature=args.temperature,
+                                                                          top_p=args.top_p))
     _report(engine, args, step_s, prompts)
     if BUILT:
         print(attention_layout(BUILT[0]))

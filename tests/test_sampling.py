@@ -137,6 +137,28 @@ def test_a_row_draws_the_same_token_alone_among_31_different_neighbours_and_on_a
     assert results[0] == results[1]
 
 
+def test_plain_draws_in_several_passes_are_the_whole_batch_cdf_draws_row_by_row():
+    """A plain batch wider than one pass of the kept memory (`_CDF_BYTES`: 10 rows at 49k) draws what one CDF of
+    the whole batch drew (the rule before the passes, written out here), and what each row draws alone; a
+    vocabulary of another width in between does not disturb it."""
+    from lockstep.model import sampling
+
+    n, vocab = 27, 49152
+    logits = logits_rows(n, 9, scale=2.0, vocab=vocab)
+    temperatures = [0.5 + 0.1 * (i % 7) for i in range(n)]
+    seeds = [7 * i + 3 for i in range(n)]
+    weights = (logits - logits.amax(1, keepdim=True)).div_(torch.tensor(temperatures).unsqueeze(1))
+    cdf = torch.stack([torch.cumsum(w.exp(), 0, dtype=torch.float64) for w in weights])
+    u = torch.cat([sampling._uniform(s) for s in seeds]).unsqueeze(1)
+    whole = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).tolist()
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    assert sampling._cdf_workspace(vocab)[1].shape[0] < n  # so the batch takes several passes
+    assert sample(logits, params, seeds) == whole
+    sample(logits_rows(3, 1, vocab=V), params[:3], seeds[:3])
+    assert sample(logits, params, seeds) == whole
+    assert [sample(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1])[0] for i in range(n)] == whole
+
+
 # ---- the distribution ------------------------------------------------------------------------------
 
 def frequencies(tokens: list[int], vocab: int) -> list[float]:

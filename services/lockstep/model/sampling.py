@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,11 @@ _T_MIN, _T_MAX = _F32.tiny, 1e30
 # that surely cover the nucleus, and only those are sorted.
 _FIRST_NUCLEUS, _LEVELS, _LEVELS_SPAN = 64, 512, 50.0
 _NEG_INF = float("-inf")
+# The float64 CDF a plain draw builds per pass of rows (4 MiB: 10 rows of a 49k vocabulary), in memory each thread
+# keeps (`_cdf_workspace`). A CDF of the whole batch (100 MB at 256 x 49k) was new memory every step, and faulting
+# it in cost twice the draw itself.
+_CDF_BYTES = 1 << 22
+_WORKSPACE = threading.local()
 
 
 def check_params(p: SamplingParams) -> None:
@@ -242,15 +248,29 @@ def _cdf_draw(x: torch.Tensor, temperatures: list[float], seeds: list[int]) -> l
     on its own, sanitized."""
     t = torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1)
     top = torch.amax(x, dim=1, keepdim=True)  # NaN if the row has a NaN
-    weights = (x - top).div_(t)
-    cdf = torch.empty(x.shape, dtype=torch.float64)
-    for w, c in zip(weights, cdf, strict=True):  # row by row: the exponential never sees a batch layout
-        torch.cumsum(w.exp_(), 0, dtype=torch.float64, out=c)
     u = torch.cat([_uniform(seed) for seed in seeds]).unsqueeze(1)
-    out = _pick(cdf, u).squeeze(1).tolist()
+    out: list[int] = []
+    space, cdfs = _cdf_workspace(x.shape[1])
+    rows = space.shape[0]
+    for a in range(0, x.shape[0], rows):  # a few rows a pass, in memory kept from the last step
+        k = min(rows, x.shape[0] - a)
+        weights = torch.sub(x[a:a + k], top[a:a + k], out=space[:k]).div_(t[a:a + k])
+        for w, c in zip(weights, cdfs[:k], strict=True):  # row by row: the exponential never sees a batch layout
+            torch.cumsum(w.exp_(), 0, dtype=torch.float64, out=c)
+        out += _pick(cdfs[:k], u[a:a + k]).squeeze(1).tolist()
     for r in torch.nonzero(~torch.isfinite(top.squeeze(1))).flatten().tolist():
         out[r] = _draw_sanitized(x[r], temperatures[r], seeds[r])
     return out
+
+
+def _cdf_workspace(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's float32 weights and float64 CDF for a plain draw's pass of rows over `vocab`, kept across
+    steps: new memory of that size every step is faulted in page by page, which cost more than the draw."""
+    made = getattr(_WORKSPACE, "cdf", None)
+    if made is None or made[0].shape[1] != vocab:
+        rows = max(1, _CDF_BYTES // (8 * vocab))
+        made = _WORKSPACE.cdf = (torch.empty(rows, vocab), torch.empty(rows, vocab, dtype=torch.float64))
+    return made
 
 
 def _draw_sanitized(row: torch.Tensor, temperature: float, seed: int) -> int:
