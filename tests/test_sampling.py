@@ -228,6 +228,23 @@ def test_a_wide_nucleus_is_the_one_a_full_sort_gives(top_p):
     assert probs[: count - 1].sum().item() < top_p <= probs[:count].sum().item() + 1e-5
 
 
+def test_the_covering_histogram_bins_as_torch_histogram_does():
+    """`_covering`'s bincount puts each token where torch.histogram's bins over [lo, 0] would (the top one
+    closed; below lo and -inf nowhere): a token binned wrong would make the cover looser or the check fall back
+    to a full sort."""
+    from lockstep.model import sampling
+
+    row = logits_rows(1, 6, scale=3.0, vocab=49152)[0]
+    row[::97] = -INF
+    scaled = row - row.max()
+    weights = torch.exp(scaled)
+    lo = float(scaled[1]) - 1e-3
+    scaled[5] = lo
+    for bottom in (lo, -30.0, -0.5):
+        expected = torch.histogram(scaled, bins=sampling._LEVELS, range=(bottom, 0.0), weight=weights).hist
+        assert torch.equal(sampling._histogram(scaled, weights, bottom), expected)
+
+
 TIED = st.one_of(st.sampled_from([-INF, NAN, 0.0, 1.0, 2.5, -3.0]), st.floats(-20, 5, width=32))
 
 

@@ -322,16 +322,27 @@ def _covering(row: torch.Tensor, scaled: torch.Tensor, weights: torch.Tensor, ne
     """The tokens whose scaled logit is at least a level whose weight reaches `need`, in stable
     descending order: a superset of the nucleus found by one weighted histogram instead of a sort of
     the row (tokens below e^-50 of the total are never needed). If none is enough, every token."""
-    lo = max(float(torch.where(torch.isinf(scaled), 0.0, scaled).min()), math.log(need) - _LEVELS_SPAN)
+    least = float(scaled.min())
+    if least == _NEG_INF:  # the least finite one
+        least = float(torch.where(torch.isinf(scaled), 0.0, scaled).min())
+    lo = max(least, math.log(need) - _LEVELS_SPAN)
     level = 0.0  # every finite token ties with the maximum: they are the cover
     if lo < 0:
-        mass = torch.histogram(scaled, bins=_LEVELS, range=(lo, 0.0), weight=weights).hist
+        mass = _histogram(scaled, weights, lo)
         short = int((torch.cumsum(mass.flip(0), 0, dtype=torch.float64) < need).sum())  # top bins short
         if short >= _LEVELS:
             return _top_ids(row, row.numel())
         level = lo + (0.0 - lo) * max(0, _LEVELS - 2 - short) / _LEVELS  # a bin lower, against rounding
     ids = torch.nonzero(scaled >= level).flatten()  # ascending ids within equal values
     return ids[torch.sort(row[ids], descending=True, stable=True).indices]
+
+
+def _histogram(scaled: torch.Tensor, weights: torch.Tensor, lo: float) -> torch.Tensor:
+    """The weight of the tokens in each of _LEVELS equal bins of [lo, 0] (`torch.histogram`'s bins, the top one
+    closed), by one bincount: a third of torch.histogram's time. A token in the wrong bin by rounding costs
+    nothing but speed: `_covering` keeps a bin to spare, and `_nucleus` checks that the cover is enough."""
+    at = (scaled - lo).mul_(_LEVELS / (0.0 - lo)).floor_().clamp_(min=-1, max=_LEVELS - 1).long()
+    return torch.bincount(at.add_(1), weights=weights, minlength=_LEVELS + 1)[1:]
 
 
 def _top_ids(row: torch.Tensor, k: int) -> torch.Tensor:
