@@ -95,6 +95,12 @@ class _Row:
         return self.top_k > 0 or self.top_p < 1
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _row(p: SamplingParams, vocab: int) -> _Row:
+    """`_Row.of`, cached: a step asks it for every row, and a request's rows share one params object."""
+    return _Row.of(p, vocab)
+
+
 def _as(cast: type, value: object, default: float) -> Any:
     """`cast(value)`, or `default` for a value of no number's meaning (None, text, an infinite top_k):
     parameters come typed from the edge, but a malformed one must not break the step either."""
@@ -134,7 +140,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     n, vocab = _shape(logits)
     seed_of = _seed_function(seeds, n, len(params))
-    rows = [_Row.of(p, vocab) for p in params]
+    rows = [_row(p, vocab) for p in params]
     out = [0] * n
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if greedy:
