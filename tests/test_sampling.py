@@ -245,6 +245,20 @@ def test_the_covering_histogram_bins_as_torch_histogram_does():
         assert torch.equal(sampling._histogram(scaled, weights, bottom), expected)
 
 
+@pytest.mark.parametrize("row", [
+    [-1e-40] + [0.0] * 99,  # every finite logit within a denormal of the top
+    [0.0, -1e-6] * 50,
+])
+def test_a_top_p_row_whose_logits_all_but_tie_draws_instead_of_raising(row):
+    """The covering histogram's bins over [lo, 0] with lo ~ -1e-40: the scale 512 / -lo overflows float32 (it
+    raised in bincount), and such a row must still draw from its nucleus (from a helper's fuzz)."""
+    logits = torch.tensor([row])
+    for p in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1e30, top_p=0.9)):
+        allowed = allowed_mask(logits[0], p)
+        assert int(allowed.sum()) >= 1
+        assert all(allowed[t] for t in sample(logits.repeat(4, 1), [p] * 4, [1, 2, 3, 4]))
+
+
 TIED = st.one_of(st.sampled_from([-INF, NAN, 0.0, 1.0, 2.5, -3.0]), st.floats(-20, 5, width=32))
 
 

@@ -45,8 +45,9 @@ _F32 = torch.finfo(torch.float32)
 _T_MIN, _T_MAX = _F32.tiny, 1e30
 # Top-p without top-k first looks for the nucleus among this many of the most likely tokens; past them
 # a histogram over this many levels (of scaled logit, within this span of the top) finds the tokens
-# that surely cover the nucleus, and only those are sorted.
-_FIRST_NUCLEUS, _LEVELS, _LEVELS_SPAN = 64, 512, 50.0
+# that surely cover the nucleus, and only those are sorted (a span under _BINNABLE, which float32 cannot bin, is
+# sorted whole).
+_FIRST_NUCLEUS, _LEVELS, _LEVELS_SPAN, _BINNABLE = 64, 512, 50.0, 1e-30
 _NEG_INF = float("-inf")
 # The float64 CDF a plain draw builds per pass of rows (4 MiB: 10 rows of a 49k vocabulary), in memory each thread
 # keeps (`_cdf_workspace`). A CDF of the whole batch (100 MB at 256 x 49k) was new memory every step, and faulting
@@ -275,7 +276,8 @@ def _cdf_workspace(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     made = getattr(_WORKSPACE, "cdf", None)
     if made is None or made[0].shape[1] != vocab:
         rows = max(1, _CDF_BYTES // (8 * vocab))
-        made = _WORKSPACE.cdf = (torch.empty(rows, vocab), torch.empty(rows, vocab, dtype=torch.float64))
+        made = _WORKSPACE.cdf = (torch.empty(rows, vocab, dtype=torch.float32),
+                                 torch.empty(rows, vocab, dtype=torch.float64))
     return made
 
 
@@ -333,6 +335,8 @@ def _covering(row: torch.Tensor, scaled: torch.Tensor, weights: torch.Tensor, ne
         least = float(torch.where(torch.isinf(scaled), 0.0, scaled).min())
     lo = max(least, math.log(need) - _LEVELS_SPAN)
     level = 0.0  # every finite token ties with the maximum: they are the cover
+    if -_BINNABLE < lo < 0:  # a spread this small cannot be binned in float32 (512 / -lo overflows): sort it all
+        return _top_ids(row, row.numel())
     if lo < 0:
         mass = _histogram(scaled, weights, lo)
         short = int((torch.cumsum(mass.flip(0), 0, dtype=torch.float64) < need).sum())  # top bins short
