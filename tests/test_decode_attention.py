@@ -208,3 +208,18 @@ def test_a_batch_off_the_table_refuses_an_empty_sequence_or_a_negative_start():
     with pytest.raises(ValueError, match="start"):
         AttentionBatch.from_table(table, [0, 1], [3, -1], [1, 1], 4)
     assert AttentionBatch.from_table(table, [0, 1, 2], [3, 5, 2], [1, 1, 1], 4).single_seqs == (0, 1, 2)
+
+
+@pytest.mark.parametrize("window", [None, 40, 3000])
+def test_a_groups_bias_is_its_mask_as_zero_and_minus_infinity_in_every_dtype(window):
+    """The layers read each group's bias, made by arithmetic on slot numbers rather than from the mask: it must
+    be 0 exactly where the mask is True and -inf elsewhere, in each dtype the queries may have."""
+    spans = [(s, 1) for s in (7000, 6990, 517, 511, 64, 63, 15, 0)] + [(s, 1) for s in range(3, 400, 7)]
+    batch = AttentionBatch.build([(s, n, list(range(1, -(-(s + n) // 16) + 1))) for s, n in spans], 16)
+    groups = [g for g in batch.single_gathers(window) if g.mask is not None]
+    assert groups
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for g in groups:
+            expected = torch.zeros(g.mask.shape, dtype=dtype).masked_fill_(~g.mask, float("-inf"))
+            bias = g.bias(dtype)
+            assert bias.dtype == dtype and torch.equal(bias, expected)

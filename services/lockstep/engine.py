@@ -222,9 +222,11 @@ class Engine:
         batches = {name: AttentionBatch.from_table(self._host_table(name), rows, batch.starts, batch.token_counts,
                                                    self.cache.page_size, self.device)
                    for name in self.cache.pools}
+        dtype = self.kv.k[0].dtype  # the queries'
         for name, batch in batches.items():  # here, not in the first layer: a GPU's copies stay out of the forward
             if batch.single_seqs:
-                batch.single_gathers(pool_window(name, self.cache.window))
+                for group in batch.single_gathers(pool_window(name, self.cache.window)):
+                    group.bias(dtype)
         return ids, batches
 
     def _host_table(self, pool: str) -> torch.Tensor:

@@ -276,18 +276,19 @@ def _padded(tables: Sequence[Sequence[int]], fill: int) -> list[int]:
 
 
 class _Masks:
-    """A step's decode masks: one [rows, slots] tensor per block of groups, each group's mask a view of its
-    rows; the biases per dtype made a block at a time. One block is as wide as its widest group, so the
-    groups share one block only when that wastes little (a long group among short ones gets its own)."""
+    """A step's decode masks: one [rows, slots] block per run of groups, each group's mask a view of its rows;
+    the biases per dtype made a block at a time. One block is as wide as its widest group, so the groups share
+    one block only when that wastes little (a long group among short ones gets its own)."""
 
-    def __init__(self, blocks: list[tuple[torch.Tensor, list[tuple[int, int, int]]]]) -> None:
-        self.blocks = blocks  # (mask, (group, rows, slots) of each group it holds, in row order)
+    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor | None, int, list[tuple[int, int, int]]]]
+                 ) -> None:
+        self.blocks = blocks  # (ends, lows or None, slots wide, (group, rows, slots) of each group, in row order)
         self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
 
     @cached_property
     def masks(self) -> dict[int, torch.Tensor]:
         """Each group's [rows, 1, 1, slots] boolean view, by group: made on first use (the layers read biases)."""
-        return self._split_all(lambda full: full)
+        return self._split_all(self._mask)
 
     @classmethod
     def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
@@ -297,28 +298,41 @@ class _Masks:
         width = max(h for _, h in groups)
         if not width:
             return None
+        lows_seen = None if window is None else lows
         if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
-            return cls([(cls._mask(ends, lows, width, window), [(g, k, h) for g, (k, h) in enumerate(groups)])])
+            return cls([(ends, lows_seen, width, [(g, k, h) for g, (k, h) in enumerate(groups)])])
         blocks, a = [], 0
         for g, (k, h) in enumerate(groups):
             if h:
-                blocks.append((cls._mask(ends[a:a + k], lows[a:a + k], h, window), [(g, k, h)]))
+                blocks.append((ends[a:a + k], None if lows_seen is None else lows_seen[a:a + k], h, [(g, k, h)]))
             a += k
         return cls(blocks)
 
     @staticmethod
-    def _mask(ends: torch.Tensor, lows: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    def _mask(ends: torch.Tensor, lows: torch.Tensor | None, width: int) -> torch.Tensor:
         slot = torch.arange(width, device=ends.device)
         mask = slot < ends.unsqueeze(1)
-        if window is not None:
+        if lows is not None:
             mask &= slot >= lows.unsqueeze(1)
         return mask
 
-    def _split_all(self, made: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Each group's [rows, 1, 1, slots] view of `made(block)`, by group."""
+    @staticmethod
+    def _bias(ends: torch.Tensor, lows: torch.Tensor | None, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """0 where a row sees the slot, -inf elsewhere, by arithmetic on slot numbers ((end - 0.5 - slot) * inf
+        is +inf before the end, -inf from it; clamped at 0): a tenth of masked_fill's time on a boolean mask.
+        Exact in float32 for slots below 2^23."""
+        slot = torch.arange(width, dtype=torch.float32, device=ends.device)
+        bias = (ends.unsqueeze(1).float() - 0.5).sub(slot).mul_(_INF).clamp_(max=0)
+        if lows is not None:  # -inf before the window's first slot
+            bias += (slot + 0.5).sub(lows.unsqueeze(1)).mul_(_INF).clamp_(max=0)
+        return bias if dtype == torch.float32 else bias.to(dtype)
+
+    def _split_all(self, made: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+                   ) -> dict[int, torch.Tensor]:
+        """Each group's [rows, 1, 1, slots] view of `made(ends, lows, width)` of its block, by group."""
         out = {}
-        for full, groups in self.blocks:
-            for c, (g, _, h) in zip(made(full).split([k for _, k, _ in groups]), groups, strict=True):
+        for ends, lows, width, groups in self.blocks:
+            for c, (g, _, h) in zip(made(ends, lows, width).split([k for _, k, _ in groups]), groups, strict=True):
                 out[g] = c[:, None, None, :h]
         return out
 
@@ -326,9 +340,12 @@ class _Masks:
         """The group's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
         made = self._biases.get(dtype)
         if made is None:
-            made = self._biases[dtype] = self._split_all(lambda full: torch.zeros(
-                full.shape, dtype=dtype, device=full.device).masked_fill_(~full, float("-inf")))
+            made = self._biases[dtype] = self._split_all(
+                lambda ends, lows, width: self._bias(ends, lows, width, dtype))
         return made[group]
+
+
+_INF = float("inf")
 
 
 @dataclass(slots=True, eq=False)
