@@ -119,13 +119,7 @@ class RankCache:
                 return
             for admit in plan.admits:
                 self._admit(admit)
-            b = ChunkColumns.of(plan.batch)
-            seqs, ps, limit = self._seqs, self.page_size, self.max_model_len
-            for request_id, start, n in zip(b.request_ids, b.starts, b.token_counts, strict=True):
-                seq = seqs.get(request_id)
-                # most of a decode step: n >= 1 tokens from where the rank is, into the page it holds already
-                if seq is None or seq.length != start or not 0 < start % ps <= ps - n < ps or start + n > limit:
-                    self._reserve(request_id, start, n)
+            self._reserve_all(ChunkColumns.of(plan.batch))
         except (PrefixNotHeld, OutOfPages, StepRefused, ValueError) as exc:
             raise StepRefused(f"rank {self.rank}: {exc}") from exc
         except Exception as exc:
@@ -173,15 +167,7 @@ class RankCache:
         b = ChunkColumns.of(chunks)
         seqs, ps, caching, tokens = self._seqs, self.page_size, self.prefix_caching, b.token_ids
         sliding = self.pools.get(POOL_SLIDING)
-        at = None if b.one_token_each else b.offsets
-        if at is None and caching and sliding is None:  # a decode step of one pool: the same loop, less to ask
-            for rid, token in zip(b.request_ids, tokens, strict=True):
-                seq = seqs[rid]
-                seq.length += 1
-                seq.pending.append(token)
-                if len(seq.pending) >= ps:
-                    self._commit(rid, seq)
-            return
+        at = None if b.one_token_each else b.offsets  # a decode step's token i is chunk i's
         for i, (rid, n) in enumerate(zip(b.request_ids, b.token_counts, strict=True)):
             seq = seqs[rid]
             seq.length += n
@@ -189,7 +175,7 @@ class RankCache:
                 if at is None:
                     seq.pending.append(tokens[i])
                 else:
-                    seq.pending.extend(tokens[at[i]:at[i] + n])
+                    seq.pending += tokens[at[i]:at[i] + n]
                 if len(seq.pending) >= ps:
                     self._commit(rid, seq)
             if sliding is not None:
@@ -327,21 +313,27 @@ class RankCache:
         for name, pages in pinned.items():
             self.block_tables[name].write(seq.row, first if name == POOL_SLIDING else 0, pages)
 
-    def _reserve(self, request_id: str, start: int, n: int) -> None:
-        """The pages of a chunk of n tokens from `start`."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise StepRefused(f"request {request_id} is not admitted")
-        if start != seq.length:
-            raise StepRefused(f"request {request_id}: chunk starts at {start} but this rank holds {seq.length} tokens")
-        if n < 1:
-            raise StepRefused(f"request {request_id}: empty chunk")
-        end = start + n
-        if end > self.max_model_len:
-            raise StepRefused(f"request {request_id}: position {end} is past the model's context")
-        pages = pages_for(end, self.page_size)
-        if pages <= pages_for(seq.length, self.page_size):  # every pool covers [0, length) already (`check`)
-            return
+    def _reserve_all(self, b: ChunkColumns) -> None:
+        """The pages of every chunk of the step, each checked against what the rank holds. Most chunks of a decode
+        step stay in a page their request holds already: one loop, a few comparisons each."""
+        seqs, ps, limit = self._seqs, self.page_size, self.max_model_len
+        for request_id, start, n in zip(b.request_ids, b.starts, b.token_counts, strict=True):
+            seq = seqs.get(request_id)
+            if seq is None:
+                raise StepRefused(f"request {request_id} is not admitted")
+            if start != seq.length:
+                raise StepRefused(f"request {request_id}: chunk starts at {start} but this rank holds {seq.length} "
+                                  "tokens")
+            if n < 1:
+                raise StepRefused(f"request {request_id}: empty chunk")
+            if start + n > limit:
+                raise StepRefused(f"request {request_id}: position {start + n} is past the model's context")
+            pages = pages_for(start + n, ps)
+            if pages > pages_for(start, ps):  # every pool covers [0, length) already (`check`)
+                self._grow(request_id, seq, pages)
+
+    def _grow(self, request_id: str, seq: _Sequence, pages: int) -> None:
+        """Every pool's pages of the request up to `pages`."""
         for name, pool in self.pools.items():
             held = pool.held(request_id) + (seq.first if name == POOL_SLIDING else 0)
             if pages > held:
