@@ -338,19 +338,19 @@ def test_the_scheduler_scores_every_prompt_position_once_across_chunks_and_skips
 
 def test_a_recompute_scores_no_position_twice():
     from lockstep.coordinator.request import Request
-    from lockstep.steps import Chunk, PromptLogprobs, SamplingParams, TokenLogprobs
+    from lockstep.steps import PromptLogprobs, SamplingParams, TokenLogprobs
 
     req = Request("r", list(range(3, 13)), SamplingParams(prompt_logprobs=0))
-    chunk = Chunk("r", (1,), 0, prompt_logprobs=0)
+    asked = 0  # the chunk's prompt_logprobs: scores asked for
     assert req.scoring_prompt and req.prompt_scoring(0, 4) == (0, 7)
-    assert req.take_prompt_scores(chunk, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(4))))
+    assert req.take_prompt_scores(asked, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(4))))
     assert req.prompt_scoring(0, 4) == (-1, -1) and req.prompt_scoring(0, 6) == (0, 9)  # a recompute of [0, 6)
-    req.take_prompt_scores(chunk, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(6))))
-    req.take_prompt_scores(chunk, PromptLogprobs("r", 6, tuple(TokenLogprobs(-p - 7.0) for p in range(4))))
+    req.take_prompt_scores(asked, PromptLogprobs("r", 0, tuple(TokenLogprobs(-p - 1.0) for p in range(6))))
+    req.take_prompt_scores(asked, PromptLogprobs("r", 6, tuple(TokenLogprobs(-p - 7.0) for p in range(4))))
     assert [e.logprob for e in req.prompt_logprobs] == [-p for p in range(1, 10)]  # none twice, none past the end
     assert not req.scoring_prompt and req.prompt_scoring(0, 10) == (-1, -1)
-    assert not req.take_prompt_scores(chunk, None)  # asked and not sent: the request fails
-    assert req.take_prompt_scores(Chunk("r", (1,), 0), None)  # not asked
+    assert not req.take_prompt_scores(asked, None)  # asked and not sent: the request fails
+    assert req.take_prompt_scores(-1, None)  # not asked
 
 
 @pytest.mark.slow

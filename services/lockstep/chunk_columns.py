@@ -10,6 +10,7 @@ the tuple of the same chunks, so a plan holds either, and its users read it alik
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from itertools import accumulate
@@ -44,18 +45,41 @@ class ChunkColumns(Sequence[Chunk]):
         """The chunks' columns; columns already are their own."""
         if isinstance(chunks, ChunkColumns):
             return chunks
-        out = cls([], [], [], [], [], [], [], {})
-        for i, c in enumerate(chunks):
-            out.request_ids.append(c.request_id)
-            out.token_counts.append(len(c.token_ids))
-            out.token_ids.extend(c.token_ids)
-            out.starts.append(c.start)
-            out.sample.append(c.sample)
-            out.sample_index.append(c.sample_index)
-            out.sampling.append(c.sampling)
-            if c.prompt_logprobs != -1 or c.next_token_id != -1 or c.history is not None:
-                out.extras[i] = (c.prompt_logprobs, c.next_token_id, c.history)
+        out = cls.empty()
+        for c in chunks:
+            out.append(c)
         return out
+
+    @classmethod
+    def empty(cls) -> ChunkColumns:
+        """Columns to build a batch in with `append` and `append_pending`; read them once it is built."""
+        return cls([], [], [], [], [], [], [], {})
+
+    def append(self, c: Chunk) -> None:
+        if c.prompt_logprobs != -1 or c.next_token_id != -1 or c.history is not None:
+            self.extras[len(self.request_ids)] = (c.prompt_logprobs, c.next_token_id, c.history)
+        self.request_ids.append(c.request_id)
+        self.token_counts.append(len(c.token_ids))
+        self.token_ids.extend(c.token_ids)
+        self.starts.append(c.start)
+        self.sample.append(c.sample)
+        self.sample_index.append(c.sample_index)
+        self.sampling.append(c.sampling)
+
+    def append_pending(self, request_id: str, start: int, sampling: SamplingParams, sample_index: int) -> None:
+        """A decode planned ahead, whose token the step before samples: `append` of that Chunk, without making it
+        (a plan built ahead holds one per running request)."""
+        self.request_ids.append(request_id)
+        self.token_counts.append(1)
+        self.token_ids.append(PENDING_TOKEN)
+        self.starts.append(start)
+        self.sample.append(True)
+        self.sample_index.append(sample_index)
+        self.sampling.append(sampling)
+
+    def ends(self) -> dict[str, int]:
+        """Where each chunk leaves its request (start + its tokens), by request."""
+        return dict(zip(self.request_ids, map(operator.add, self.starts, self.token_counts), strict=True))
 
     @cached_property
     def one_token_each(self) -> bool:

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from itertools import islice
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.coordinator.admission import AdmissionControl, Decision
 from lockstep.coordinator.agreement import ProbeBook, agreed_prefix_pages
 from lockstep.coordinator.events import Event
 from lockstep.coordinator.prefix_sharing import PREFIX_PENDING, computing_sibling
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.steps import Admit, Chunk, Plan, Probe, ProbeAnswer
+from lockstep.steps import Admit, Plan, Probe, ProbeAnswer
 
 
 class Admitting:
@@ -45,7 +46,7 @@ class Admitting:
     def _admit_waiting(
         self,
         control: AdmissionControl,
-        batch: dict[str, Chunk],
+        batch: ChunkColumns,
         admits: list[Admit],
         report_step: int | None,
         flush: bool,
@@ -80,7 +81,7 @@ class Admitting:
         agreed: int,
         answers: list[ProbeAnswer | None],
         decision: Decision,
-        batch: dict[str, Chunk],
+        batch: ChunkColumns,
         admits: list[Admit],
     ) -> None:
         self.waiting.remove(req)
@@ -98,18 +99,20 @@ class Admitting:
         req.num_computed = prefix
         self.running.append(req)
         admits.append(Admit(req.request_id, keys))
-        batch[req.request_id] = req.chunk(decision.num_tokens)
+        batch.append(req.chunk(decision.num_tokens))
 
     def _held(self, req: Request, computed: dict[str, int] | None = None) -> bool:
         """Whether a running request has still to compute pages of req's prompt, so req waits for their commit."""
         pages = self._probe_pages(req)
         return computing_sibling(req, self.running, pages, self.page_size, self.salt, computed) is not None
 
-    def _probes(self, step: int, batch: dict[str, Chunk], in_flight: int | None = None) -> list[Probe]:
+    def _probes(self, step: int, batch: ChunkColumns, in_flight: int | None = None) -> list[Probe]:
         """Probe the requests that may be admitted next: the head of the queue, up to the free seats, passing
         over those still held once this step has run (their answers would be stale by their admission) and,
         for a plan built ahead, those the plan `in_flight` probes (asking again would drop its answers)."""
-        after = {rid: c.start + len(c.token_ids) for rid, c in batch.items()}
+        if not self.waiting:
+            return []
+        after = batch.ends()
         window = max(1, self.max_num_seqs - len(self.running))
         probes = []
         asked = self._book.waiting_on

@@ -15,29 +15,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.coordinator.admission import AdmissionControl
 from lockstep.coordinator.request import Request
-from lockstep.steps import Chunk, Plan
+from lockstep.steps import Plan
 
 
-def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: AdmissionControl) -> dict[str, Chunk] | None:
+def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: AdmissionControl) -> ChunkColumns | None:
     """The next chunk of each running request after the plan in flight, its pages taken from `control` (which
     holds what that plan takes already); None when some request could not grow, since only a plan built
     from the reports may preempt."""
-    flying = {c.request_id: c for c in in_flight.batch}
-    batch: dict[str, Chunk] = {}
+    cols = ChunkColumns.of(in_flight.batch)
+    flying = {rid: (start + n, sample) for rid, start, n, sample in zip(
+        cols.request_ids, cols.starts, cols.token_counts, cols.sample, strict=True)}  # where each leaves it
+    batch = ChunkColumns.empty()
     for req in running:
-        c = flying.get(req.request_id)
-        start = req.num_computed if c is None else c.start + len(c.token_ids)
-        pending = c is not None and c.sample
+        start, pending = flying.get(req.request_id, (req.num_computed, False))
         if pending and len(req.generated) + 1 >= req.max_tokens:
             continue  # the plan in flight samples its last token
         left = req.num_tokens + pending - start
         if left <= 0:
             continue
         n = control.grow(start, left)
-        if n:
-            batch[req.request_id] = req.chunk(n, start, pending)
+        if pending and n == 1 and start == req.num_tokens:  # most of them: the token the plan in flight samples
+            batch.append_pending(req.request_id, start, req.sampling, len(req.generated) + 1)
+        elif n:
+            batch.append(req.chunk(n, start, pending))
         elif control.tokens_left > 0:
             return None
     return batch

@@ -204,10 +204,11 @@ class Request:
             return -1, -1
         return self.sampling.prompt_logprobs, prompt[end] if end < len(prompt) else -1
 
-    def take_prompt_scores(self, chunk: Chunk, scores: PromptLogprobs | None) -> bool:
+    def take_prompt_scores(self, prompt_logprobs: int, scores: PromptLogprobs | None) -> bool:
         """Keep the entries of positions not reported yet (a recompute after preemption scores them again).
-        False when the chunk asked for scores and the ranks sent none: a rank's bug, which fails the request."""
-        if chunk.prompt_logprobs < 0:
+        False when the chunk asked for scores (its `prompt_logprobs` >= 0) and the ranks sent none: a rank's bug,
+        which fails the request."""
+        if prompt_logprobs < 0:
             return True
         if scores is None:
             return False

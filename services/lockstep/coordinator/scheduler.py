@@ -26,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lockstep.chunk_columns import ChunkColumns
 from lockstep.coordinator.admission import AdmissionControl
 from lockstep.coordinator.admitting import Admitting
 from lockstep.coordinator.agreement import ProbeBook
@@ -34,7 +35,7 @@ from lockstep.coordinator.lookahead import chunks_ahead
 from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
-from lockstep.steps import Admit, Chunk, Plan, Report
+from lockstep.steps import Admit, Plan, Report
 
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
 
@@ -213,7 +214,7 @@ class Scheduler(Admitting):
             return self._sent(Plan(step, releases=tuple(dict.fromkeys(releases)),
                                    pool_split=tuple(sorted((move.split or {}).items())),
                                    pool_fence=tuple(sorted((move.fence or {}).items()))), {})
-        batch: dict[str, Chunk] = {}
+        batch = ChunkColumns.empty()
         admits: list[Admit] = []
         spent: dict[str, list[int]] = {}
         if reports:
@@ -229,7 +230,7 @@ class Scheduler(Admitting):
             step=step,
             releases=tuple(dict.fromkeys(releases)),
             admits=tuple(admits),
-            batch=tuple(batch.values()),
+            batch=batch,
             probes=tuple(probes),
         )
         return self._sent(plan, spent)
@@ -263,7 +264,7 @@ class Scheduler(Admitting):
             self._admit_waiting(control, batch, admits, None, False)
         probes = self._probes(step, batch, in_flight=last.step) if self.prefix_caching else []
         releases, self._releases = tuple(dict.fromkeys(self._releases)), []
-        plan = Plan(step, releases=releases, admits=tuple(admits), batch=tuple(batch.values()), probes=tuple(probes))
+        plan = Plan(step, releases=releases, admits=tuple(admits), batch=batch, probes=tuple(probes))
         return self._sent(plan, control.spent())
 
     def _sent(self, plan: Plan, spent: dict[str, list[int]]) -> Plan:
@@ -281,7 +282,7 @@ class Scheduler(Admitting):
         last = self._last_plan
         return plan_reports(step, reports, None if last is None else last.step, self.ranks)
 
-    def _schedule_running(self, control: AdmissionControl, batch: dict[str, Chunk], releases: list[str]) -> bool:
+    def _schedule_running(self, control: AdmissionControl, batch: ChunkColumns, releases: list[str]) -> bool:
         """Give every running request its next chunk while it fits; where one cannot grow, preempt the
         newest running requests until the pages they hold cover its shortfall in every pool. Their pages
         are free only from the next report, so the request itself waits this step. Returns whether
@@ -305,11 +306,11 @@ class Scheduler(Admitting):
                     break
         return preempted
 
-    def _grow(self, control: AdmissionControl, req: Request, batch: dict[str, Chunk]) -> bool:
+    def _grow(self, control: AdmissionControl, req: Request, batch: ChunkColumns) -> bool:
         n = control.grow(req.num_computed, req.num_uncomputed)
         if n == 0:
             return False
-        batch[req.request_id] = req.chunk(n)
+        batch.append(req.chunk(n))
         return True
 
     def _preempt(self, req: Request, releases: list[str], counted: bool = True) -> Event:
@@ -391,23 +392,25 @@ class Scheduler(Admitting):
                 self._book.record(report.step, report.rank, answer)
         sampled = {s.request_id: s for report in reversed(reports) for s in report.sampled}  # the first rank's
         scores = {p.request_id: p for report in reversed(reports) for p in report.prompt_logprobs}
-        requests, running = self.requests, RequestStatus.RUNNING
-        for chunk in plan.batch:  # once per running request every step: kept to plain lookups (batch 256)
-            req = requests.get(chunk.request_id)
+        requests, running, b = self.requests, RequestStatus.RUNNING, ChunkColumns.of(plan.batch)
+        extras = b.extras
+        for i, (rid, start, n, sample) in enumerate(zip(b.request_ids, b.starts, b.token_counts, b.sample,
+                                                        strict=True)):  # once per running request every step
+            req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            if req.num_computed != chunk.start:
-                raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {chunk.start}")
-            req.num_computed = chunk.start + len(chunk.token_ids)
-            scored = req.take_prompt_scores(chunk, scores.get(req.request_id))
-            if not chunk.sample:
+            if req.num_computed != start:
+                raise AssertionError(f"{req!r} is at {req.num_computed}, its chunk started at {start}")
+            req.num_computed = start + n
+            scored = i not in extras or req.take_prompt_scores(extras[i][0], scores.get(rid))
+            if not sample:
                 continue
-            got = sampled.get(req.request_id)
+            got = sampled.get(rid)
             if got is None or not scored:
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
-            events.append(Event(req.request_id, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
+            events.append(Event(rid, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
                                 prompt_logprobs=req.prompt_logprobs_to_send()))
             if reason is not None:
                 events.append(self._finish(req, reason))
