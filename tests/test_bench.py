@@ -210,6 +210,24 @@ def test_the_rank_host_benchmark_times_every_part_of_a_decode_step():
         assert len(parts) == 8 and all(x > 0 for x in parts[:4]) and sum(parts) <= step * 1.5
 
 
+def test_the_coordinator_host_benchmark_times_every_part_of_an_overlapped_decode_step():
+    """scripts/bench_coordinator_host.py: the real scheduler planning ahead against a no-op rank; it fails unless
+    every measured step was planned ahead and every request got a token in each, and the parts add up."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_coordinator_host.py"
+    proc = subprocess.run([sys.executable, str(script), "--batch", "3,9", "--steps", "5", "--warmup", "2",
+                           "--min-prompt", "5", "--max-prompt", "40", "--page-size", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("3", "9")]
+    assert [r[0] for r in rows] == ["3", "9"]
+    for row in rows:
+        parts, step = [float(x) for x in row[1:-1]], float(row[-1])
+        assert len(parts) == 4 and all(x > 0 for x in parts) and sum(parts) <= step * 1.5
+
+
 def test_the_decode_groups_benchmark_fits_a_call_cost_and_groups_fewer_as_calls_cost_more():
     """scripts/bench_decode_groups.py: the fit's line has a positive cost per gathered slot, and the sweep's
     batch is cut into fewer groups (never more) as one call is counted dearer."""
