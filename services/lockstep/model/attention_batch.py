@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from lockstep.device import attention_call_tokens
@@ -36,8 +37,8 @@ class AttentionBatch:
     rows: tuple[int, ...]
     slot_bounds: tuple[int, int]  # the least and the greatest slot written, checked against the cache
     single_seqs: tuple[int, ...] = ()  # sequences with one new token (decode): attended in batched calls
-    # [3, S1] host: each one-token sequence's table row, position and flat query row (single_gathers' input)
-    singles: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # [3, S1] host (numpy): each one-token sequence's table row, position and flat query row (single_gathers' input)
+    singles: np.ndarray | None = field(default=None, compare=False, repr=False)
     _gathers: dict[int | None, tuple[_SingleGather, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
@@ -135,20 +136,19 @@ class AttentionBatch:
         cols, end = table.shape[1], max(map(operator.add, starts, lens))
         if pages_for(end, page_size) > cols:
             raise ValueError(f"positions up to {end} need more than the table's {cols} pages")
-        if max(lens) == 1:  # a decode step: one token per sequence, so every column is a tensor operation
+        if max(lens) == 1:  # a decode step: one token per sequence, so every column is an array operation
             n = len(rows)
-            singles = _on("cpu", [*rows, *starts, *range(n)]).view(3, n)  # row, position, query row
+            singles = np.array((rows, starts, range(n)), dtype=np.int64)  # row, position, query row
             pos, lasts = singles[1], singles[2]
-            cells = singles[0] * cols + torch.div(pos, page_size, rounding_mode="floor")
+            cells = singles[0] * cols + pos // page_size
             single_seqs = tuple(range(n))
         else:
             pos, cells, lasts, singles, single_seqs = _mixed_columns(rows, starts, lens, cols, page_size)
-        slots = table.reshape(-1).index_select(0, cells).long() * page_size + pos % page_size
-        lo, hi = slots.aminmax()
-        parts = _to_device([pos, slots, lasts], device)
+        slots = table.numpy().reshape(-1)[cells].astype(np.int64) * page_size + pos % page_size
+        parts = _to_device([torch.from_numpy(pos), torch.from_numpy(slots), torch.from_numpy(lasts)], device)
         return cls(positions=parts[0], slot_mapping=parts[1], last_token_indices=parts[2], page_size=page_size,
                    starts=tuple(starts), query_lens=tuple(lens), table=table, rows=tuple(rows),
-                   slot_bounds=(int(lo), int(hi)), single_seqs=single_seqs, singles=singles)
+                   slot_bounds=(int(slots.min()), int(slots.max())), single_seqs=single_seqs, singles=singles)
 
     def single_gathers(self, window: int | None) -> tuple[_SingleGather, ...]:
         """The one-token sequences in groups of like KV length, for layers of this window; made once per step.
@@ -165,7 +165,7 @@ class AttentionBatch:
 
 
 def _mixed_columns(rows: Sequence[int], starts: Sequence[int], lens: Sequence[int], cols: int, page_size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
     """A batch with prefill chunks: (positions, flat table cells, last token indices, the one-token sequences'
     [3, S1] columns, which sequences those are), a few list appends per sequence."""
     positions: list[int] = []
@@ -183,9 +183,9 @@ def _mixed_columns(rows: Sequence[int], starts: Sequence[int], lens: Sequence[in
             cells.extend(at + p // page_size for p in range(start, start + n))
         lasts.append(len(positions) - 1)
     t, s1 = len(positions), len(singles)
-    host = _on("cpu", positions + cells + lasts + [rows[i] for i in singles] + [starts[i] for i in singles] +
-               [lasts[i] for i in singles])
-    return host[:t], host[t:2 * t], host[2 * t:2 * t + len(lasts)], host[2 * t + len(lasts):].view(3, s1), \
+    host = np.array(positions + cells + lasts + [rows[i] for i in singles] + [starts[i] for i in singles] +
+                    [lasts[i] for i in singles], dtype=np.int64)
+    return host[:t], host[t:2 * t], host[2 * t:2 * t + len(lasts)], host[2 * t + len(lasts):].reshape(3, s1), \
         tuple(singles)
 
 
@@ -392,28 +392,27 @@ class _SingleGather:
         rows, starts, queries = batch.singles
         n, ps = rows.shape[0], batch.page_size
         ends = starts + 1
-        lows = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
-        firsts = torch.div(lows, ps, rounding_mode="floor")
-        counts = torch.div(ends + (ps - 1), ps, rounding_mode="floor") - firsts
+        lows = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
+        firsts = lows // ps
+        counts = (ends + (ps - 1)) // ps - firsts
         base = firsts * ps
-        cols = torch.stack([rows, firsts, counts, lows - base, ends - base, queries])
-        order = torch.argsort(counts, descending=True, stable=True)
+        cols = np.stack([rows, firsts, counts, lows - base, ends - base, queries])
+        order = np.argsort(-counts, kind="stable")
         longest = counts[order].tolist()
         sizes = _group_sizes(longest, call_pages)
         whole = len(sizes) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
         if not whole:
-            cols = cols.index_select(1, order)
+            cols = cols[:, order]
         lo, hi = cols[3].tolist(), cols[4].tolist()
         spans, a = [], 0  # per group: (its first row, its rows, pages wide, slots its mask spans: 0 alone)
         for k in sizes:
             spans.append((a, k, longest[a], max(hi[a:a + k]) if k > 1 else 0))
             a += k
-        total = sum(k * w for _, k, w, _ in spans)
-        widths = torch.repeat_interleave(_on("cpu", [w for _, _, w, _ in spans]), _on("cpu", sizes), output_size=n)
-        pages = _padded_pages(batch.table, cols[0], cols[1], cols[2], widths, total)
-        if int(pages.min()) < 0:
+        widths = np.repeat([w for _, _, w, _ in spans], sizes)
+        pages = _padded_pages(batch.table.numpy(), cols[0], cols[1], cols[2], widths)
+        if pages.size and pages.min() < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
-        pages, rest = _to_device([pages, cols[3:]], batch.positions.device)
+        pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[3:])], batch.positions.device)
         masks = _Masks.build(rest[1], rest[0], [(k, h) for _, k, _, h in spans], window)
         out = []
         for i, ((a, k, w, h), g_pages) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
@@ -426,19 +425,15 @@ class _SingleGather:
         return tuple(out)
 
 
-def _padded_pages(table: torch.Tensor, rows: torch.Tensor, firsts: torch.Tensor, counts: torch.Tensor,
-                  widths: torch.Tensor, total: int) -> torch.Tensor:
+def _padded_pages(table: np.ndarray, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray, widths: np.ndarray
+                  ) -> np.ndarray:
     """For each r: pages firsts[r].. of table row rows[r] (counts[r] of them, then page 0 up to widths[r]:
-    padding, masked out), laid out one after another; read straight off the table, never a row's whole width."""
-    row, col = _ragged(widths, total)
+    padding, masked out), laid out one after another; read straight off the table, never a row's whole width.
+    In numpy: a step's host index arithmetic is a score of small array operations, each a third of torch's."""
+    row = np.repeat(np.arange(widths.shape[0]), widths)
+    col = np.arange(row.shape[0]) - (np.cumsum(widths) - widths)[row]
     cols = table.shape[1]
-    taken = (col + torch.index_select(firsts, 0, row)).clamp_(max=cols - 1)
-    cells = torch.index_select(rows, 0, row) * cols + taken
-    return torch.index_select(table.reshape(-1), 0, cells).masked_fill_(col >= torch.index_select(counts, 0, row), 0)
-
-
-def _ragged(widths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) of every cell of rows `widths[r]` wide, laid out one row after another."""
-    row = torch.repeat_interleave(torch.arange(widths.shape[0], device=widths.device), widths, output_size=total)
-    starts = torch.cumsum(widths, 0) - widths
-    return row, torch.arange(total, device=widths.device) - starts[row]
+    cells = rows[row] * cols + np.minimum(col + firsts[row], cols - 1)
+    pages = table.reshape(-1)[cells]
+    pages[col >= counts[row]] = 0
+    return pages
