@@ -182,5 +182,6 @@ def test_a_block_table_grows_without_losing_a_row_and_refuses_a_row_it_lacks():
     assert table.row(1, 5) == [7, 8, 9, 10, -1] and table.row(0, 2) == [-1, -1]
     table.clear(1, 1, 2)
     assert table.row(1, 4) == [7, -1, -1, 10]
+    assert [table.page(1, c) for c in (0, 1, 3, table.cols, -1)] == [7, -1, 10, -1, -1]  # one page, as `row` reads
     with pytest.raises(IndexError, match="cannot write"):
         table.write(table.rows, 0, [1])

@@ -58,6 +58,10 @@ class BlockTable:
         """No page in columns [col, col + n) of `row` (a window moved past them, or a row handed out anew)."""
         self.write(row, col, [NO_PAGE] * min(n, self.cols - col))
 
+    def page(self, row: int, col: int) -> int:
+        """The page at column `col` of `row` (-1: none)."""
+        return self.data[row * self.cols + col] if 0 <= col < self.cols else NO_PAGE
+
     def row(self, row: int, cols: int) -> list[int]:
         """The first `cols` columns of `row` (-1 past the table's columns)."""
         at = row * self.cols

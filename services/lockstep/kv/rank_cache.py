@@ -188,11 +188,10 @@ class RankCache:
     def _commit(self, rid: str, seq: _Sequence) -> None:
         """Index every page its pending tokens filled, in every pool, under its chain key."""
         ps = self.page_size
-        tables = {name: self.table(rid, name) for name in self.pools}
         while len(seq.pending) >= ps:
             key = next_key(seq.parent, seq.pending[:ps], self.salt)
-            for name, pool in self.pools.items():
-                pool.commit(rid, tables[name][seq.committed], key)
+            for name, pool in self.pools.items():  # the page off the block table: a copy of its table cost O(context)
+                pool.commit(rid, self.block_tables[name].page(seq.row, seq.committed), key)
             seq.parent = key
             seq.committed += 1
             del seq.pending[:ps]
