@@ -192,13 +192,17 @@ def test_the_streaming_benchmark_streams_every_token(tiny_llama, api_workers):
     assert "us per token" in proc.stdout and ("frontends' CPU" in proc.stdout) == bool(api_workers)
 
 
-def test_the_rank_host_benchmark_times_every_part_of_a_decode_step():
+@pytest.mark.parametrize(("name", "parts", "positive"), [("bench_rank_host.py", 8, 4),
+                                                          ("bench_coordinator_host.py", 4, 4)])
+def test_a_host_work_benchmark_times_every_part_of_a_decode_step(name, parts, positive):
     """scripts/bench_rank_host.py: the serving engine's step with a no-op forward, part by part; the cache it
-    leaves is consistent (the script checks it) and the parts add up to the step."""
+    leaves is consistent (the script checks it). scripts/bench_coordinator_host.py: the real scheduler planning
+    ahead against a no-op rank; it fails unless every measured step was planned ahead and every request got a
+    token in each. In both the parts add up to the step."""
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_rank_host.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / name
     proc = subprocess.run([sys.executable, str(script), "--batch", "3,9", "--steps", "5", "--warmup", "2",
                            "--min-prompt", "5", "--max-prompt", "40", "--page-size", "4"],
                           capture_output=True, text=True, timeout=120)
@@ -206,26 +210,8 @@ def test_the_rank_host_benchmark_times_every_part_of_a_decode_step():
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("3", "9")]
     assert [r[0] for r in rows] == ["3", "9"]
     for row in rows:
-        parts, step = [float(x) for x in row[1:-1]], float(row[-1])
-        assert len(parts) == 8 and all(x > 0 for x in parts[:4]) and sum(parts) <= step * 1.5
-
-
-def test_the_coordinator_host_benchmark_times_every_part_of_an_overlapped_decode_step():
-    """scripts/bench_coordinator_host.py: the real scheduler planning ahead against a no-op rank; it fails unless
-    every measured step was planned ahead and every request got a token in each, and the parts add up."""
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_coordinator_host.py"
-    proc = subprocess.run([sys.executable, str(script), "--batch", "3,9", "--steps", "5", "--warmup", "2",
-                           "--min-prompt", "5", "--max-prompt", "40", "--page-size", "4"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("3", "9")]
-    assert [r[0] for r in rows] == ["3", "9"]
-    for row in rows:
-        parts, step = [float(x) for x in row[1:-1]], float(row[-1])
-        assert len(parts) == 4 and all(x > 0 for x in parts) and sum(parts) <= step * 1.5
+        times, step = [float(x) for x in row[1:-1]], float(row[-1])
+        assert len(times) == parts and all(x > 0 for x in times[:positive]) and sum(times) <= step * 1.5
 
 
 def test_the_decode_groups_benchmark_fits_a_call_cost_and_groups_fewer_as_calls_cost_more():
