@@ -61,3 +61,15 @@ def test_a_wrong_number_of_tokens_or_a_chunk_past_the_end_is_refused():
     assert hash(ChunkColumns.of(())) == hash(()) and ChunkColumns.of(()) != []
     with pytest.raises(TypeError, match="unhashable"):
         hash(cols)
+
+
+def test_columns_read_while_being_built_are_read_again_after_more_chunks():
+    """What the columns derive (one token each, offsets, distinct parameters) is cached on first read: a batch
+    still being built must not keep what it derived from fewer chunks (from a review)."""
+    b = ChunkColumns.empty()
+    b.append(Chunk("a", (5,), 3, True))
+    assert b == (Chunk("a", (5,), 3, True),) and b.one_token_each
+    b.append(Chunk("b", (7, 8, 9), 0, True, SamplingParams(temperature=1.0)))
+    b.append_pending("c", 4, SamplingParams(temperature=0.5), 2)
+    assert tuple(b)[1].token_ids == (7, 8, 9) and not b.one_token_each and b.offsets == [0, 1, 4, 5]
+    assert len(b.distinct_sampling) == 3 and b.pending() == [2]

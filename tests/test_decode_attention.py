@@ -223,3 +223,14 @@ def test_a_groups_bias_is_its_mask_as_zero_and_minus_infinity_in_every_dtype(win
             expected = torch.zeros(g.mask.shape, dtype=dtype).masked_fill_(~g.mask, float("-inf"))
             bias = g.bias(dtype)
             assert bias.dtype == dtype and torch.equal(bias, expected)
+
+
+def test_a_batch_off_the_table_refuses_a_row_outside_the_table():
+    """A negative row would read the table's last row (numpy wraps negative indices) and one past the end
+    another request's or nothing: either is refused, not read (from a review's fuzz)."""
+    table = torch.tensor([[3, 4, -1, -1], [5, -1, -1, -1]], dtype=torch.int32)
+    for rows in ([-1], [2], [0, -2]):
+        with pytest.raises(ValueError, match="row"):
+            AttentionBatch.from_table(table, rows, [0] * len(rows), [1] * len(rows), 4)
+        with pytest.raises(ValueError, match="row"):
+            AttentionBatch.from_table(table, rows, [0] * len(rows), [2] * len(rows), 4)

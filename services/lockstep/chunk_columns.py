@@ -11,16 +11,36 @@ the tuple of the same chunks, so a plan holds either, and its users read it alik
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
-from functools import cached_property
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
-from typing import overload
+from typing import Any, overload
 
 from lockstep.steps import PENDING_TOKEN, Chunk, SamplingParams
 
 # a chunk's rare fields, by its index: (prompt_logprobs, next_token_id, history), as Chunk holds them
 Extras = tuple[int, int, "tuple[int, ...] | None"]
 NO_EXTRAS: Extras = (-1, -1, None)
+
+
+class _Derived:
+    """A value derived from the columns, made on first read and kept until a chunk is appended: a batch read
+    while it is still being built (a log line, a check) must not keep what fewer chunks gave. Appends stay
+    plain list appends (a plan built ahead makes one per running request); a read checks the length."""
+
+    def __init__(self, make: Callable[[ChunkColumns], Any]) -> None:
+        self.make, self.name, self.__doc__ = make, make.__name__, make.__doc__
+
+    def __get__(self, columns: ChunkColumns | None, owner: type | None = None) -> Any:
+        if columns is None:
+            return self
+        n = len(columns.request_ids)
+        made = columns.__dict__.get(self.name)
+        if made is None or made[0] != n:
+            made = columns.__dict__[self.name] = (n, self.make(columns))
+        return made[1]
+
+    def __set__(self, columns: ChunkColumns, value: object) -> None:
+        raise AttributeError(f"{self.name} is derived from the columns")
 
 
 class ChunkColumns(Sequence[Chunk]):
@@ -81,17 +101,17 @@ class ChunkColumns(Sequence[Chunk]):
         """Where each chunk leaves its request (start + its tokens), by request."""
         return dict(zip(self.request_ids, map(operator.add, self.starts, self.token_counts), strict=True))
 
-    @cached_property
+    @_Derived
     def one_token_each(self) -> bool:
         """Whether every chunk is one token (a decode step): then chunk i's token is token_ids[i]."""
         return not self.token_counts or min(self.token_counts) == 1 == max(self.token_counts)
 
-    @cached_property
+    @_Derived
     def offsets(self) -> list[int]:
         """Where each chunk's tokens start in `token_ids`, and their end last."""
         return list(accumulate(self.token_counts, initial=0))
 
-    @cached_property
+    @_Derived
     def distinct_sampling(self) -> list[SamplingParams]:
         """The batch's parameters, each object once (a decode step repeats every request's)."""
         return list({id(s): s for s in self.sampling}.values())

@@ -9,7 +9,7 @@ coordinator's pure decisions and the engine share one vocabulary.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 log = logging.getLogger("lockstep.steps")
@@ -126,7 +126,7 @@ class Plan:
     step: int
     releases: tuple[str, ...] = ()
     admits: tuple[Admit, ...] = ()
-    batch: tuple[Chunk, ...] = ()
+    batch: Sequence[Chunk] = ()  # a tuple, or ChunkColumns (as the scheduler builds and a rank reads it)
     probes: tuple[Probe, ...] = ()
     flush_prefix_cache: bool = False
     release_all: bool = False

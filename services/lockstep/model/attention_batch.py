@@ -133,6 +133,8 @@ class AttentionBatch:
         if min(lens) < 1 or min(starts) < 0:
             raise ValueError(f"every sequence needs a start >= 0 and a token, got starts {min(starts)}.., "
                              f"lengths {min(lens)}..")
+        if min(rows) < 0 or max(rows) >= table.shape[0]:  # numpy would wrap a negative one to the last row
+            raise ValueError(f"rows {min(rows)}..{max(rows)} of a table of {table.shape[0]} rows")
         cols, end = table.shape[1], max(map(operator.add, starts, lens))
         if pages_for(end, page_size) > cols:
             raise ValueError(f"positions up to {end} need more than the table's {cols} pages")
