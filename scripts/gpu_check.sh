@@ -17,7 +17,8 @@
 #   4. `lockstep bench`: served and in-process throughput,
 #   5. what a decode attention call costs there in gathered key slots (scripts/bench_decode_groups.py, an 8B
 #      model's heads: the number behind lockstep.device.attention_call_tokens) and the rank's host work per
-#      decode step on that machine's CPU (scripts/bench_rank_host.py).
+#      decode step on that machine's CPU (scripts/bench_rank_host.py), and the coordinator's
+#      (scripts/bench_coordinator_host.py): a GPU host's CPU, where the control plane's ceiling matters.
 # Every step writes into $OUT (default /tmp/gpu_check) and the run goes on past a failed step; the exit
 # status counts the failed steps.
 set -u
@@ -147,7 +148,9 @@ print(str(d.pick_dtype('auto', d.pick_device(), M.checkpoint_dtype('$ckpt'))).re
         --concurrency "$concurrency" --max-tokens "$tokens" --max-num-seqs "$concurrency" --json "$OUT/bench.json"
     step decode_groups python3 scripts/bench_decode_groups.py "${groups[@]}"
     step rank_host python3 scripts/bench_rank_host.py "${host[@]}"
-    for f in "$OUT"/engine_*.log "$OUT"/sampling.log "$OUT"/bench.log "$OUT"/decode_groups.log "$OUT"/rank_host.log; do echo "---- $f"; tail -n 12 "$f"; done
+    step coordinator_host python3 scripts/bench_coordinator_host.py "${host[@]}"
+    for f in "$OUT"/engine_*.log "$OUT"/sampling.log "$OUT"/bench.log "$OUT"/decode_groups.log "$OUT"/rank_host.log \
+             "$OUT"/coordinator_host.log; do echo "---- $f"; tail -n 12 "$f"; done
     echo "failed steps: $failed"
     return "$failed"
 }

@@ -174,6 +174,7 @@ def test_the_prepared_gpu_check_runs_through_on_the_cpu(tiny_llama, tmp_path):
     assert '"completion_tokens": 16' in (tmp_path / "serve.log").read_text()
     assert "one call costs" in (tmp_path / "decode_groups.log").read_text()
     assert "rank host work per decode step" in (tmp_path / "rank_host.log").read_text()
+    assert "coordinator host work per decode step" in (tmp_path / "coordinator_host.log").read_text()
 
 
 @pytest.mark.parametrize("api_workers", [0, 2])
