@@ -1,11 +1,13 @@
-"""A step's chunks as columns: how a rank holds a plan's batch.
+"""A step's chunks as columns: how the scheduler builds a plan's batch and a rank holds it.
 
 A plan's batch travels as columns (`BatchMsg`: entry i of each is chunk i), and a rank's step reads
 columns: the token ids, table rows, starts and lengths its inputs are built from, the sampling rows, the
 tokens its cache takes in. Making a `Chunk` per request and reading it apart again was most of a rank's
 host time at batch 256, so `ChunkColumns` keeps the columns, and makes a `Chunk` only for whoever indexes
 or iterates it (the tests, the rare paths: prompt scoring, penalties). It is a `Sequence[Chunk]` equal to
-the tuple of the same chunks, so a plan holds either, and its users read it alike.
+the tuple of the same chunks, so a plan holds either, and its users read it alike. The scheduler appends to
+one as it plans (a decode planned ahead, `append_pending`, makes no `Chunk` either) and reads its columns back
+when the step's reports are applied.
 """
 
 from __future__ import annotations
