@@ -378,15 +378,26 @@ def test_health_metrics_and_admin_answers_come_from_the_coordinator(tmp_path):
     asyncio.run(main())
 
 
-def test_api_workers_fail_their_start_on_a_port_in_use_or_a_frontend_that_cannot_start(tmp_path):
+def test_api_workers_fail_their_start_on_a_port_in_use_or_a_frontend_that_cannot_start(tmp_path, monkeypatch):
+    """A failed start leaves nothing behind: no link directory, and no link server still serving (it was left
+    running, to be collected after its event loop closed)."""
     import glob
     import socket
     from dataclasses import replace
 
+    from lockstep.coordinator import api_workers
     from lockstep.coordinator.api_workers import ApiWorkers
     from lockstep.coordinator.config import CoordinatorConfig
 
     links = set(glob.glob(f"{tempfile.gettempdir()}/lockstep-link-*"))
+    servers = []
+
+    async def recorded(*args):
+        server, servicer = await start_link(*args)
+        servers.append(server)
+        return server, servicer
+
+    monkeypatch.setattr(api_workers, "start_link", recorded)
 
     async def main() -> None:
         with socket.socket() as busy:
@@ -398,6 +409,7 @@ def test_api_workers_fail_their_start_on_a_port_in_use_or_a_frontend_that_cannot
                 await ApiWorkers.start(TickingCoordinator(), cfg, tmp_path)
         with pytest.raises(RuntimeError, match="exited with 1 before it linked"):
             await ApiWorkers.start(TickingCoordinator(), replace(cfg, http_port=free_port()), tmp_path / "none")
+        assert len(servers) == 1 and not await servers[0].wait_for_termination(1.0)  # True: it timed out
 
     asyncio.run(main())
     assert set(glob.glob(f"{tempfile.gettempdir()}/lockstep-link-*")) == links

@@ -87,6 +87,7 @@ class ApiWorkers:
             await workers._until_linked()
         except BaseException:
             workers.close_now()
+            await server.stop(0)  # else it serves on, with nothing to stop it
             raise
         workers._watch = asyncio.ensure_future(workers._restart_exited())
         return workers
