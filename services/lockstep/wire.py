@@ -133,8 +133,7 @@ def _sampling_error(s: SamplingParams) -> str:
     return f"min_tokens must be >= 0, got {s.min_tokens}" if s.min_tokens < 0 else ""
 
 
-def _check_plan(plan: Plan, batch: Sequence[Chunk] | None = None) -> None:
-    """`batch`: the plan's as its columns, where the caller has them (checked column by column)."""
+def _check_plan(plan: Plan) -> None:
     if plan.step < 0:
         raise WireError(f"plan step must be >= 0, got {plan.step}")
     where = f"plan {plan.step}"
@@ -143,7 +142,7 @@ def _check_plan(plan: Plan, batch: Sequence[Chunk] | None = None) -> None:
     for i, admit in enumerate(plan.admits):
         _request_id(admit.request_id, f"{where} admits[{i}]")
         _keys(admit.prefix_keys, f"{where} admits[{i}].prefix_keys")
-    _check_batch(plan.batch if batch is None else batch, where)
+    _check_batch(plan.batch, where)
     for i, probe in enumerate(plan.probes):
         _request_id(probe.request_id, f"{where} probes[{i}]")
         _keys(probe.keys, f"{where} probes[{i}].keys")
@@ -163,8 +162,7 @@ def _penalties_to_proto(m: pb.SamplingParamsMsg, s: SamplingParams) -> None:
 
 def plan_to_proto(plan: Plan) -> pb.PlanMsg:
     """The message the coordinator sends every rank for one step."""
-    batch = ChunkColumns.of(plan.batch)
-    _check_plan(plan, batch)
+    _check_plan(plan)
     try:
         msg = pb.PlanMsg(
             step=plan.step,
@@ -177,7 +175,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanMsg:
         )
         for admit in plan.admits:
             msg.admits.add(request_id=admit.request_id, prefix_keys=list(admit.prefix_keys))
-        _batch_to_proto(msg, batch)
+        _batch_to_proto(msg, ChunkColumns.of(plan.batch))  # the scheduler's plans are columns already
         for probe in plan.probes:
             msg.probes.add(request_id=probe.request_id, keys=list(probe.keys))
     except (TypeError, ValueError) as e:
