@@ -375,3 +375,10 @@ def test_columns_are_refused_exactly_when_their_chunks_are(batch):
     """The columns' own check (a few `min`s over a decode step) passes only what the per-chunk check passes, and
     a refusal names the same chunk and reason: decode-only batches with pending tokens included."""
     assert _columns_refusal(batch) == _refusal(Plan(step=2, batch=batch))
+
+
+def test_a_plan_built_as_a_tuple_with_a_malformed_chunk_is_a_wire_error():
+    """A plan's chunks are checked before anything reads them as columns: turning a chunk without tokens into
+    columns first raised a bare TypeError, which the coordinator does not catch as a refusal (from a re-read)."""
+    with pytest.raises(WireError, match=r"batch\[0\] \('r'\): a chunk needs at least one token"):
+        plan_to_proto(Plan(1, batch=(Chunk("r", None, 0),)))  # type: ignore[arg-type]
