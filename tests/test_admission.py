@@ -116,6 +116,27 @@ def test_grow_respects_the_token_budget():
     assert c.grow(5, 1) == 0 and c.tokens_left == 0
 
 
+@pytest.mark.parametrize("charged", [0, 3])
+def test_grow_in_page_takes_a_decode_exactly_as_grow_does_or_leaves_it_to_grow(charged):
+    """The plan-ahead fast path (`grow_in_page`) must never take what `grow(c, 1)` would not, nor count it
+    differently: over positions, budgets and an overdrawn pool, it either does what grow does or nothing."""
+    for tokens in (0, 1, 2):
+        for free in (0, 1):
+            for c_at in range(0, 3 * PS + 1):
+                fast, slow = control(rep(0, 10, free), tokens=tokens), control(rep(0, 10, free), tokens=tokens)
+                for ctl in (fast, slow):
+                    ctl.charge({"full": [charged]})
+                took = fast.grow_in_page(c_at)
+                if took:
+                    assert slow.grow(c_at, 1) == 1
+                else:
+                    assert (fast.tokens_left, fast.headroom) == (tokens, [free - charged])
+                    slow.grow(c_at, 1)
+                    fast.grow(c_at, 1)
+                assert (fast.tokens_left, fast.headroom) == (slow.tokens_left, slow.headroom)
+                assert took == (tokens > 0 and c_at % PS != 0 and free >= charged)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "call", "reason"),
     [

@@ -70,6 +70,15 @@ def test_columns_read_while_being_built_are_read_again_after_more_chunks():
     b.append(Chunk("a", (5,), 3, True))
     assert b == (Chunk("a", (5,), 3, True),) and b.one_token_each
     b.append(Chunk("b", (7, 8, 9), 0, True, SamplingParams(temperature=1.0)))
-    b.append_pending("c", 4, SamplingParams(temperature=0.5), 2)
+    b.extend_pending(["c"], [4], [SamplingParams(temperature=0.5)], [2])
     assert tuple(b)[1].token_ids == (7, 8, 9) and not b.one_token_each and b.offsets == [0, 1, 4, 5]
     assert len(b.distinct_sampling) == 3 and b.pending() == [2]
+
+
+def test_pending_decodes_extend_every_column_or_are_refused_when_the_columns_differ_in_length():
+    b = ChunkColumns.empty()
+    b.extend_pending(["a", "b"], [4, 9], [hot, hot], [1, 2])
+    assert b == (Chunk("a", (PENDING_TOKEN,), 4, True, hot, 1), Chunk("b", (PENDING_TOKEN,), 9, True, hot, 2))
+    with pytest.raises(ValueError, match="2 request ids, 1 starts"):
+        b.extend_pending(["c", "d"], [1], [hot, hot], [1, 1])
+    assert len(b) == 2 and len(b.starts) == len(b.sampling) == 2

@@ -6,7 +6,7 @@ tokens its cache takes in. Making a `Chunk` per request and reading it apart aga
 host time at batch 256, so `ChunkColumns` keeps the columns, and makes a `Chunk` only for whoever indexes
 or iterates it (the tests, the rare paths: prompt scoring, penalties). It is a `Sequence[Chunk]` equal to
 the tuple of the same chunks, so a plan holds either, and its users read it alike. The scheduler appends to
-one as it plans (a decode planned ahead, `append_pending`, makes no `Chunk` either) and reads its columns back
+one as it plans (a decode planned ahead, `extend_pending`, makes no `Chunk` either) and reads its columns back
 when the step's reports are applied.
 """
 
@@ -74,7 +74,7 @@ class ChunkColumns(Sequence[Chunk]):
 
     @classmethod
     def empty(cls) -> ChunkColumns:
-        """Columns to build a batch in with `append` and `append_pending`; read them once it is built."""
+        """Columns to build a batch in with `append` and `extend_pending`; read them once it is built."""
         return cls([], [], [], [], [], [], [], {})
 
     def append(self, c: Chunk) -> None:
@@ -88,16 +88,21 @@ class ChunkColumns(Sequence[Chunk]):
         self.sample_index.append(c.sample_index)
         self.sampling.append(c.sampling)
 
-    def append_pending(self, request_id: str, start: int, sampling: SamplingParams, sample_index: int) -> None:
-        """A decode planned ahead, whose token the step before samples: `append` of that Chunk, without making it
-        (a plan built ahead holds one per running request)."""
-        self.request_ids.append(request_id)
-        self.token_counts.append(1)
-        self.token_ids.append(PENDING_TOKEN)
-        self.starts.append(start)
-        self.sample.append(True)
-        self.sample_index.append(sample_index)
-        self.sampling.append(sampling)
+    def extend_pending(self, request_ids: list[str], starts: list[int], sampling: list[SamplingParams],
+                       sample_index: list[int]) -> None:
+        """Decodes planned ahead, each of the token the step before samples: `append` of each such Chunk, without
+        making it (a plan built ahead holds one per running request)."""
+        k = len(request_ids)
+        if not len(starts) == len(sampling) == len(sample_index) == k:
+            raise ValueError(f"{k} request ids, {len(starts)} starts, {len(sampling)} samplings and "
+                             f"{len(sample_index)} sample indexes for the same decodes")
+        self.request_ids += request_ids
+        self.token_counts += [1] * k
+        self.token_ids += [PENDING_TOKEN] * k
+        self.starts += starts
+        self.sample += [True] * k
+        self.sample_index += sample_index
+        self.sampling += sampling
 
     def ends(self) -> dict[str, int]:
         """Where each chunk leaves its request (start + its tokens), by request."""

@@ -161,6 +161,14 @@ class AdmissionControl:
         self.take([growth_pages(num_computed, n, self.page_size)] * self.ranks, n)
         return n
 
+    def grow_in_page(self, num_computed: int) -> bool:
+        """`grow(num_computed, 1) == 1` where that takes no page: a decode whose position lies in a page the request
+        holds, with budget left. False leaves everything as it was (then `grow` decides, counting pages)."""
+        if num_computed % self.page_size and self.tokens_left > 0 and not self._overdrawn:
+            self.tokens_left -= 1
+            return True
+        return False
+
     def shortfall(self, num_computed: int, num_tokens: int) -> dict[str, int]:
         """Pages missing in each pool on its worst rank to compute num_tokens more (within the token budget)."""
         n = min(num_tokens, max(self.tokens_left, 1))

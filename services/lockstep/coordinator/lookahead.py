@@ -13,6 +13,7 @@ token is never sent.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from lockstep.chunk_columns import ChunkColumns
@@ -24,23 +25,43 @@ from lockstep.steps import Plan
 def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: AdmissionControl) -> ChunkColumns | None:
     """The next chunk of each running request after the plan in flight, its pages taken from `control` (which
     holds what that plan takes already); None when some request could not grow, since only a plan built
-    from the reports may preempt."""
+    from the reports may preempt.
+
+    Most of them are a decode of the token the plan in flight samples, within the pages the request holds: those
+    are gathered in runs and appended as columns (`extend_pending`), a few list operations a run."""
     cols = ChunkColumns.of(in_flight.batch)
-    flying = {rid: (start + n, sample) for rid, start, n, sample in zip(
-        cols.request_ids, cols.starts, cols.token_counts, cols.sample, strict=True)}  # where each leaves it
+    flying = dict(zip(cols.request_ids, zip(map(operator.add, cols.starts, cols.token_counts), cols.sample,
+                                            strict=True), strict=True))  # where each leaves its request
     batch = ChunkColumns.empty()
+    run: tuple[list, list, list, list] = ([], [], [], [])  # a run of pending decodes: ids, starts, samplings, indexes
+    ids, starts, samplings, indexes = run
+    in_page = control.grow_in_page
     for req in running:
-        start, pending = flying.get(req.request_id, (req.num_computed, False))
-        if pending and len(req.generated) + 1 >= req.max_tokens:
-            continue  # the plan in flight samples its last token
+        rid = req.request_id
+        start, pending = flying.get(rid, (req.num_computed, False))
+        generated = len(req.generated)
+        if pending:
+            if generated + 1 >= req.max_tokens:
+                continue  # the plan in flight samples its last token
+            if start == len(req.prompt_token_ids) + generated and in_page(start):  # most of them
+                ids.append(rid)
+                starts.append(start)
+                samplings.append(req.sampling)
+                indexes.append(generated + 1)
+                continue
+        if ids:
+            batch.extend_pending(*run)
+            run = ids, starts, samplings, indexes = [], [], [], []
         left = req.num_tokens + pending - start
         if left <= 0:
             continue
         n = control.grow(start, left)
-        if pending and n == 1 and start == req.num_tokens:  # most of them: the token the plan in flight samples
-            batch.append_pending(req.request_id, start, req.sampling, len(req.generated) + 1)
+        if pending and n == 1 and start == req.num_tokens:  # the token the plan in flight samples
+            batch.extend_pending([rid], [start], [req.sampling], [generated + 1])
         elif n:
             batch.append(req.chunk(n, start, pending))
         elif control.tokens_left > 0:
             return None
+    if ids:
+        batch.extend_pending(*run)
     return batch
