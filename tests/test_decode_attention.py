@@ -210,7 +210,7 @@ def test_a_batch_off_the_table_refuses_an_empty_sequence_or_a_negative_start():
     assert AttentionBatch.from_table(table, [0, 1, 2], [3, 5, 2], [1, 1, 1], 4).single_seqs == (0, 1, 2)
 
 
-@pytest.mark.parametrize("window", [None, 40, 3000])
+@pytest.mark.parametrize("window", [None, 1, 15, 16, 40, 3000])
 def test_a_groups_bias_is_its_mask_as_zero_and_minus_infinity_in_every_dtype(window):
     """The layers read each group's bias, made by arithmetic on slot numbers rather than from the mask: it must
     be 0 exactly where the mask is True and -inf elsewhere, in each dtype the queries may have."""

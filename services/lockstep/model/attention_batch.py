@@ -282,9 +282,10 @@ class _Masks:
     the biases per dtype made a block at a time. One block is as wide as its widest group, so the groups share
     one block only when that wastes little (a long group among short ones gets its own)."""
 
-    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor | None, int, list[tuple[int, int, int]]]]
-                 ) -> None:
+    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor | None, int, list[tuple[int, int, int]]]],
+                 window: int | None = None) -> None:
         self.blocks = blocks  # (ends, lows or None, slots wide, (group, rows, slots) of each group, in row order)
+        self.window = window
         self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
 
     @cached_property
@@ -295,20 +296,21 @@ class _Masks:
     @classmethod
     def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
               ) -> _Masks | None:
-        """Row r sees slots [lows[r], ends[r]) (without a window, all before its end); groups: (rows, slots)
-        each, 0 slots for one needing no mask."""
+        """Row r sees slots [lows[r], ends[r]): without a window, all before its end; with one, lows[r] is
+        max(ends[r] - window, 0), as `build_all` counts slots. groups: (rows, slots) each, 0 slots for one needing no
+        mask."""
         width = max(h for _, h in groups)
         if not width:
             return None
         lows_seen = None if window is None else lows
         if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
-            return cls([(ends, lows_seen, width, [(g, k, h) for g, (k, h) in enumerate(groups)])])
+            return cls([(ends, lows_seen, width, [(g, k, h) for g, (k, h) in enumerate(groups)])], window)
         blocks, a = [], 0
         for g, (k, h) in enumerate(groups):
             if h:
                 blocks.append((ends[a:a + k], None if lows_seen is None else lows_seen[a:a + k], h, [(g, k, h)]))
             a += k
-        return cls(blocks)
+        return cls(blocks, window)
 
     @staticmethod
     def _mask(ends: torch.Tensor, lows: torch.Tensor | None, width: int) -> torch.Tensor:
@@ -319,15 +321,16 @@ class _Masks:
         return mask
 
     @staticmethod
-    def _bias(ends: torch.Tensor, lows: torch.Tensor | None, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """0 where a row sees the slot, -inf elsewhere, by arithmetic on slot numbers ((end - 0.5 - slot) * inf
-        is +inf before the end, -inf from it; clamped at 0): a tenth of masked_fill's time on a boolean mask.
-        Exact in float32 for slots below 2^23."""
-        slot = torch.arange(width, dtype=torch.float32, device=ends.device)
-        bias = (ends.unsqueeze(1).float() - 0.5).sub(slot).mul_(_INF).clamp_(max=0)
-        if lows is not None:  # -inf before the window's first slot
-            bias += (slot + 0.5).sub(lows.unsqueeze(1)).mul_(_INF).clamp_(max=0)
-        return bias if dtype == torch.float32 else bias.to(dtype)
+    def _bias(ends: torch.Tensor, window: int | None, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """0 where a row sees the slot, -inf elsewhere: each row a slice of one pattern row, 0 then -inf (with a
+        window, -inf, `window` zeros, -inf), starting where the row's end puts the pattern's edge. The rows are one
+        gather off the pattern's overlapping slices (`unfold`), already in `dtype`: a quarter of the time of
+        arithmetic on slot numbers in float32, a seventh in float16, and a tenth with a window."""
+        band = width if window is None or window >= width else window  # a window that wide hides no slot
+        pattern = torch.full((2 * width + band,), _NEG_INF, dtype=dtype, device=ends.device)
+        pattern[width:width + band] = 0
+        # a lone group's row in a shared block may end past the block (its keys are sliced, its bias never read)
+        return pattern.unfold(0, width, 1).index_select(0, (width + band) - ends.clamp(max=width))
 
     def _split_all(self, made: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
                    ) -> dict[int, torch.Tensor]:
@@ -343,11 +346,11 @@ class _Masks:
         made = self._biases.get(dtype)
         if made is None:
             made = self._biases[dtype] = self._split_all(
-                lambda ends, lows, width: self._bias(ends, lows, width, dtype))
+                lambda ends, _, width: self._bias(ends, self.window, width, dtype))
         return made[group]
 
 
-_INF = float("inf")
+_NEG_INF = float("-inf")
 
 
 @dataclass(slots=True, eq=False)
