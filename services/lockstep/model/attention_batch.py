@@ -282,10 +282,11 @@ class _Masks:
     the biases per dtype made a block at a time. One block is as wide as its widest group, so the groups share
     one block only when that wastes little (a long group among short ones gets its own)."""
 
-    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor | None, int, list[tuple[int, int, int]]]],
-                 window: int | None = None) -> None:
-        self.blocks = blocks  # (ends, lows or None, slots wide, (group, rows, slots) of each group, in row order)
-        self.window = window
+    def __init__(self, ends: torch.Tensor, lows: torch.Tensor | None, reach: int, window: int | None,
+                 blocks: list[tuple[int, int, int, list[tuple[int, int, int]]]]) -> None:
+        self.ends, self.lows = ends, lows  # of every row; lows None without a window
+        self.reach, self.window = reach, window  # the greatest end (on the host, so nothing waits for a device)
+        self.blocks = blocks  # (first row, rows, slots wide, (group, rows, slots) of each group, in row order)
         self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
 
     @cached_property
@@ -293,51 +294,50 @@ class _Masks:
         """Each group's [rows, 1, 1, slots] boolean view, by group: made on first use (the layers read biases)."""
         return self._split_all(self._mask)
 
+    def _mask(self, a: int, k: int, width: int) -> torch.Tensor:
+        slot = torch.arange(width, device=self.ends.device)
+        seen = slot < self.ends[a:a + k].unsqueeze(1)
+        if self.lows is not None:
+            seen &= slot >= self.lows[a:a + k].unsqueeze(1)
+        return seen
+
     @classmethod
-    def build(cls, ends: torch.Tensor, lows: torch.Tensor, groups: list[tuple[int, int]], window: int | None
-              ) -> _Masks | None:
+    def build(cls, ends: torch.Tensor, lows: torch.Tensor, reach: int, groups: list[tuple[int, int]],
+              window: int | None) -> _Masks | None:
         """Row r sees slots [lows[r], ends[r]): without a window, all before its end; with one, lows[r] is
-        max(ends[r] - window, 0), as `build_all` counts slots. groups: (rows, slots) each, 0 slots for one needing no
-        mask."""
+        max(ends[r] - window, 0), as `build_all` counts slots. reach: the greatest end. groups: (rows, slots)
+        each, 0 slots for one needing no mask."""
         width = max(h for _, h in groups)
         if not width:
             return None
         lows_seen = None if window is None else lows
         if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
-            return cls([(ends, lows_seen, width, [(g, k, h) for g, (k, h) in enumerate(groups)])], window)
+            return cls(ends, lows_seen, reach, window, [(0, len(ends), width, [(g, k, h) for g, (k, h) in
+                                                                                enumerate(groups)])])
         blocks, a = [], 0
         for g, (k, h) in enumerate(groups):
             if h:
-                blocks.append((ends[a:a + k], None if lows_seen is None else lows_seen[a:a + k], h, [(g, k, h)]))
+                blocks.append((a, k, h, [(g, k, h)]))
             a += k
-        return cls(blocks, window)
+        return cls(ends, lows_seen, reach, window, blocks)
 
-    @staticmethod
-    def _mask(ends: torch.Tensor, lows: torch.Tensor | None, width: int) -> torch.Tensor:
-        slot = torch.arange(width, device=ends.device)
-        mask = slot < ends.unsqueeze(1)
-        if lows is not None:
-            mask &= slot >= lows.unsqueeze(1)
-        return mask
+    def _bias_rows(self, dtype: torch.dtype) -> Callable[[int, int, int], torch.Tensor]:
+        """Rows [a, a + k) of a block `width` slots wide, 0 where a row sees the slot and -inf elsewhere: each row
+        is a slice of one pattern (0s then -inf; with a window, -inf, `window` 0s, -inf) starting where its end
+        puts the pattern's edge, so a block is one gather off the pattern's overlapping slices (`unfold`), made
+        in `dtype`. Arithmetic on slot numbers took 2.4x the time in float32, 7x in float16 and 7-40x with a window."""
+        reach = self.reach
+        band = reach if self.window is None or self.window >= reach else self.window  # so wide it hides no slot
+        pattern = torch.full((2 * reach + band,), _NEG_INF, dtype=dtype, device=self.ends.device)
+        pattern[reach:reach + band] = 0
+        starts = (reach + band) - self.ends  # row r's slice: slot s is 0 iff ends[r] - band <= s < ends[r]
+        return lambda a, k, width: pattern.unfold(0, width, 1).index_select(0, starts[a:a + k])
 
-    @staticmethod
-    def _bias(ends: torch.Tensor, window: int | None, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """0 where a row sees the slot, -inf elsewhere: each row a slice of one pattern row, 0 then -inf (with a
-        window, -inf, `window` zeros, -inf), starting where the row's end puts the pattern's edge. The rows are one
-        gather off the pattern's overlapping slices (`unfold`), already in `dtype`: a quarter of the time of
-        arithmetic on slot numbers in float32, a seventh in float16, and a tenth with a window."""
-        band = width if window is None or window >= width else window  # a window that wide hides no slot
-        pattern = torch.full((2 * width + band,), _NEG_INF, dtype=dtype, device=ends.device)
-        pattern[width:width + band] = 0
-        # a lone group's row in a shared block may end past the block (its keys are sliced, its bias never read)
-        return pattern.unfold(0, width, 1).index_select(0, (width + band) - ends.clamp(max=width))
-
-    def _split_all(self, made: Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-                   ) -> dict[int, torch.Tensor]:
-        """Each group's [rows, 1, 1, slots] view of `made(ends, lows, width)` of its block, by group."""
+    def _split_all(self, made: Callable[[int, int, int], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each group's [rows, 1, 1, slots] view of `made(first row, rows, width)` of its block, by group."""
         out = {}
-        for ends, lows, width, groups in self.blocks:
-            for c, (g, _, h) in zip(made(ends, lows, width).split([k for _, k, _ in groups]), groups, strict=True):
+        for a, k, width, groups in self.blocks:
+            for c, (g, _, h) in zip(made(a, k, width).split([n for _, n, _ in groups]), groups, strict=True):
                 out[g] = c[:, None, None, :h]
         return out
 
@@ -345,8 +345,7 @@ class _Masks:
         """The group's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
         made = self._biases.get(dtype)
         if made is None:
-            made = self._biases[dtype] = self._split_all(
-                lambda ends, _, width: self._bias(ends, self.window, width, dtype))
+            made = self._biases[dtype] = self._split_all(self._bias_rows(dtype))
         return made[group]
 
 
@@ -418,11 +417,11 @@ class _SingleGather:
         if pages.size and pages.min() < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
         pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[3:])], batch.positions.device)
-        masks = _Masks.build(rest[1], rest[0], [(k, h) for _, k, _, h in spans], window)
+        masks = _Masks.build(rest[1], rest[0], max(hi), [(k, h) for _, k, _, h in spans], window)
         out = []
-        for i, ((a, k, w, h), g_pages) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
-                                                        strict=True)):
-            g_rows = None if whole else rest[2, a:a + k]
+        row_sets = [None] * len(spans) if whole else rest[2].split(sizes)
+        for i, ((a, k, w, h), g_pages, g_rows) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
+                                                                row_sets, strict=True)):
             if h:
                 out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(0, h), masks=masks, mask_index=i))
             else:
