@@ -166,10 +166,13 @@ class Engine:
         pending = [batch.request_ids[i] for i in batch.pending()]
         if not pending or self.comm.rank != SAMPLING_RANK:
             return [0] * len(pending), error
-        missing = [rid for rid in pending if rid not in self.drawn]
-        if missing and not error:
-            error = f"rank {self.comm.rank}: no token drawn at step {plan.step - 1} for pending request {missing[0]}"
-        return [self.drawn.get(rid, 0) for rid in pending], error
+        tokens = [self.drawn.get(rid, -1) for rid in pending]  # a token id is never negative
+        if min(tokens) < 0:
+            missing = pending[tokens.index(-1)]
+            if not error:
+                error = f"rank {self.comm.rank}: no token drawn at step {plan.step - 1} for pending request {missing}"
+            tokens = [max(t, 0) for t in tokens]
+        return tokens, error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
         """Whether the group refuses the step, and the sampling rank's pending tokens (the other ranks add zeros,

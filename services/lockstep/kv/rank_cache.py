@@ -318,18 +318,21 @@ class RankCache:
         seqs, ps, limit = self._seqs, self.page_size, self.max_model_len
         for request_id, start, n in zip(b.request_ids, b.starts, b.token_counts, strict=True):
             seq = seqs.get(request_id)
-            if seq is None:
-                raise StepRefused(f"request {request_id} is not admitted")
-            if start != seq.length:
-                raise StepRefused(f"request {request_id}: chunk starts at {start} but this rank holds {seq.length} "
-                                  "tokens")
-            if n < 1:
-                raise StepRefused(f"request {request_id}: empty chunk")
-            if start + n > limit:
-                raise StepRefused(f"request {request_id}: position {start + n} is past the model's context")
-            pages = pages_for(start + n, ps)
-            if pages > pages_for(start, ps):  # every pool covers [0, length) already (`check`)
-                self._grow(request_id, seq, pages)
+            end = start + n
+            if seq is None or start != seq.length or n < 1 or end > limit:
+                raise StepRefused(self._chunk_refusal(request_id, seq, start, n))
+            if -(-end // ps) > -(-start // ps):  # a page more (pages_for, inline): every pool covers [0, length)
+                self._grow(request_id, seq, -(-end // ps))
+
+    def _chunk_refusal(self, request_id: str, seq: _Sequence | None, start: int, n: int) -> str:
+        """Why `_reserve_all` refuses a chunk."""
+        if seq is None:
+            return f"request {request_id} is not admitted"
+        if start != seq.length:
+            return f"request {request_id}: chunk starts at {start} but this rank holds {seq.length} tokens"
+        if n < 1:
+            return f"request {request_id}: empty chunk"
+        return f"request {request_id}: position {start + n} is past the model's context"
 
     def _grow(self, request_id: str, seq: _Sequence, pages: int) -> None:
         """Every pool's pages of the request up to `pages`."""
