@@ -164,6 +164,45 @@ def test_a_replayed_request_goes_only_to_a_group_that_can_hold_it_and_waits_othe
         assert small.adopted == ["r0", "r2"]  # oldest first, only what fits
         assert list(coord._parked) == ["r1"] and coord.live["r1"].queue.empty()  # waits, not failed
         assert coord.live["r0"].group == "small" and coord.live["r1"].group == "g0"
+        # a held request is waiting, on the group it left (found by fault injection: the gauge showed none while
+        # every request of a group that went down was held, so the queue alerts saw an empty server)
+        assert 'lockstep_requests{group="g0",state="waiting"} 1.0' in coord.metrics_text().decode()
+
+    asyncio.run(main())
+
+
+def test_a_request_held_twice_for_a_group_waits_its_full_replay_timeout_the_second_time():
+    """Bug fix (found by fault injection): the first hold's timer was never cancelled when a group took the request
+    up again, so a second hold ended at the first hold's deadline, long before its own replay timeout."""
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.generation import GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    class Adopting(OneGroup):
+        def adopt(self, requests: list[Request]) -> None:
+            self.adopted = [r.request_id for r in requests]
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(replay_timeout=0.4), tokenizer=None, model_name="m", max_model_len=64)
+        g0 = coord.groups["g0"] = Adopting()
+        coord.generate("r1", GenerateSpec([1, 2, 3], SamplingParams(), 4))
+        req = coord.live["r1"].request
+        g0.serving = False
+        coord._replay("g0", [req], "rank 1 of group g0 is down")  # held: its timer runs out at 0.4 s
+        await asyncio.sleep(0.25)
+        g0.serving = True
+        coord._group_up("g0")  # the group is back and takes it up
+        assert g0.adopted == ["r1"] and not coord._parked
+        g0.serving = False
+        coord._replay("g0", [req], "rank 1 of group g0 is down again")  # held again, at 0.25 s: until 0.65 s
+        await asyncio.sleep(0.3)  # past the first hold's deadline
+        assert list(coord._parked) == ["r1"] and coord.live["r1"].queue.empty()
+        await asyncio.sleep(0.3)  # past its own
+        assert not coord._parked
+        ev = coord.live["r1"].queue._items[0]
+        assert "down again" in ev.error and "no group came back" in ev.error
+        coord._end("r1", finished=True)
 
     asyncio.run(main())
 

@@ -64,7 +64,8 @@ class Coordinator:
         self._regrouping = asyncio.Lock()  # one change of the group list at a time
         self._leaving: set[str] = set()  # groups being removed: drained for good, never resumed
         self.live: dict[str, _Live] = {}
-        self._parked: dict[str, tuple[Request, str]] = {}
+        # requests no group can take now: (request, why, the timer that fails it past replay_timeout)
+        self._parked: dict[str, tuple[Request, str, asyncio.TimerHandle]] = {}
         self.group_up_listeners: list[Callable[[str], None]] = []  # e.g. `lockstep serve`'s supervisors
         self.router = PrefixRouter(config.page_size, RoutingPolicy(config.routing))
         self._routing_salt = key_salt(model_name or "model", config.page_size, "lockstep-routing")
@@ -177,9 +178,14 @@ class Coordinator:
                 for name, g in self.groups.items()}
 
     def metrics_text(self) -> bytes:
+        held = dict.fromkeys(self.groups, 0)  # requests waiting for a group to come back, on the group they left
+        for rid in self._parked:
+            live = self.live.get(rid)
+            if live is not None and live.group in held:
+                held[live.group] += 1
         for name, g in self.groups.items():
             waiting, running = g.counts()
-            self.metrics.requests.labels(name, "waiting").set(waiting)
+            self.metrics.requests.labels(name, "waiting").set(waiting + held[name])
             self.metrics.requests.labels(name, "running").set(running)
         return self.metrics.render()
 
@@ -246,7 +252,7 @@ class Coordinator:
         for name, reqs in moves.items():
             self.groups[name].adopt(reqs)
             for req in reqs:
-                self._parked.pop(req.request_id, None)
+                self._unpark(req.request_id)
                 live = self.live[req.request_id]
                 log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
                             name, len(req.generated))
@@ -263,8 +269,14 @@ class Coordinator:
         if self.config.replay_timeout <= 0:
             self._fail(req, reason)
             return
-        self._parked[req.request_id] = (req, reason)
-        asyncio.get_running_loop().call_later(self.config.replay_timeout, self._expire, req.request_id)
+        timer = asyncio.get_running_loop().call_later(self.config.replay_timeout, self._expire, req.request_id)
+        self._parked[req.request_id] = (req, reason, timer)
+
+    def _unpark(self, request_id: str) -> None:
+        """The request is held no more: its timer goes with it (a later hold has its own)."""
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            parked[2].cancel()
 
     def _fail(self, req: Request, reason: str) -> None:
         live = self.live.get(req.request_id)
@@ -277,9 +289,9 @@ class Coordinator:
         for listener in self.group_up_listeners:
             listener(group)
         for rid in [rid for rid in self._parked if rid not in self.live]:
-            del self._parked[rid]
+            self._unpark(rid)
         by_reason: dict[str, list[Request]] = {}
-        for req, reason in self._parked.values():
+        for req, reason, _ in self._parked.values():
             by_reason.setdefault(reason, []).append(req)
         for reason, reqs in by_reason.items():
             self._place(reqs, reason)
@@ -287,7 +299,7 @@ class Coordinator:
     def _expire(self, request_id: str) -> None:
         parked = self._parked.pop(request_id, None)
         if parked is not None:
-            req, reason = parked
+            req, reason, _ = parked
             self._fail(req, f"{reason}; no group came back within {self.config.replay_timeout:.0f} s")
 
     def _routing_keys(self, tokens: tuple[int, ...] | list[int]) -> list[bytes]:
@@ -351,7 +363,7 @@ class Coordinator:
     def _end(self, request_id: str, finished: bool) -> None:
         """The client's side of a request is over: forget it, and abort it unless it finished."""
         live = self.live.pop(request_id, None)
-        self._parked.pop(request_id, None)  # no group is to take it up any more: no record of it stays
+        self._unpark(request_id)  # no group is to take it up any more: no record of it stays
         runner = self.groups.get(live.group) if live is not None else None
         if not finished and runner is not None:
             runner.abort(request_id)
