@@ -223,3 +223,55 @@ def test_a_report_of_the_plan_sent_ahead_that_comes_during_the_wait_is_kept_for_
         await runner.close()
 
     asyncio.run(main())
+
+
+class _Link:
+    """A rank link that only answers health checks (a stopped process does not; one blocked in a collective does)."""
+
+    def __init__(self, rank: int, alive: bool) -> None:
+        self.rank, self.alive, self.streaming = rank, alive, True
+
+    async def responsive(self, timeout: float = 1.0) -> bool:
+        return self.alive
+
+
+def test_a_wait_that_times_out_blames_the_ranks_that_do_not_answer_at_all(caplog):
+    """Bug fix (found by fault injection, SIGSTOP of rank 1 mid-step): its peers, blocked in the step's collective
+    waiting for it, had not answered either, so the group went down blaming every rank: lockstep_rank_up fell to 0
+    on all of them and the log said "every rank answered" as the wait ended with no answer. Now the ranks that do
+    not answer a health check are the ones blamed; the wait is logged as the failure it is and still observed."""
+    from lockstep.coordinator.group_ranks import GroupDown, GroupRanks
+
+    async def main() -> None:
+        metrics = Metrics()
+        ranks = GroupRanks("g0", ["a:1", "a:2", "a:3"], metrics, stall_threshold=0.05, dead_rank_timeout=0.3)
+        ranks.links = [_Link(0, True), _Link(1, False), _Link(2, True)]
+        try:
+            await asyncio.wait_for(ranks.gather(7), 5)
+        except GroupDown as exc:
+            return exc
+        raise AssertionError("the wait did not end the group")
+
+    with caplog.at_level("WARNING", logger="lockstep.group"):
+        down = asyncio.run(main())
+    assert down.ranks == [1] and "rank(s) [1] of group g0" in str(down)
+    assert "every rank answered" not in caplog.text and "step 7: the wait ended with the group down" in caplog.text
+
+
+def test_a_wait_whose_ranks_all_answer_health_checks_blames_every_silent_one():
+    """No process to single out (each answers its health check, none its step): all of the silent ones are named."""
+    from lockstep.coordinator.group_ranks import GroupDown, GroupRanks
+
+    async def main() -> list[int] | None:
+        metrics = Metrics()
+        ranks = GroupRanks("g0", ["a:1", "a:2"], metrics, stall_threshold=0.05, dead_rank_timeout=0.3)
+        ranks.links = [_Link(0, True), _Link(1, True)]
+        try:
+            await ranks.gather(3)
+        except GroupDown as exc:
+            count = metrics.agreement_wait.labels("g0", "step")._sum.get()
+            assert count >= 0.3  # the failed wait is observed too: the longest waits are these
+            return exc.ranks
+        return None
+
+    assert asyncio.run(main()) == [0, 1]

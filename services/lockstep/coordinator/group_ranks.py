@@ -201,12 +201,13 @@ class GroupRanks:
                 if item.step > step:  # a rank already answered the plan sent ahead: it is the next wait's
                     self.early.append(item)
                 wait.record(item)  # a duplicate or a stale step's report is ignored, never waited for again
-        finally:
+        finally:  # a wait that took the group down is observed too: the longest waits are those
+            self.metrics.agreement_wait.labels(self.name, "step").observe(time.perf_counter() - t0)
             if stalled:
                 self.metrics.agreements_stalled.labels(self.name).dec()
-                log.warning("group %s step %d: every rank answered after %.1f s", self.name, step,
+                log.warning("group %s step %d: %s after %.1f s", self.name, step,
+                            "every rank answered" if wait.done else "the wait ended with the group down",
                             time.monotonic() - wait.started_at)
-        self.metrics.agreement_wait.labels(self.name, "step").observe(time.perf_counter() - t0)
         return wait.reports()
 
     async def _check_wait(self, wait: AgreementWait, stalled: bool) -> bool:
@@ -223,9 +224,18 @@ class GroupRanks:
             stalled = True
         dead = wait.dead(now, self.dead_rank_timeout)
         if dead:
+            dead = await self._blamed(dead)
             raise GroupDown(f"rank(s) {dead} of group {self.name} silent for {self.dead_rank_timeout:.0f} s at "
                             f"step {wait.step}", dead)
         return stalled
+
+    async def _blamed(self, silent: list[int]) -> list[int]:
+        """Of the ranks that did not answer the step, those whose process does not answer at all: a rank stopped or
+        hung mid-step holds its peers in the step's collective, so they are silent too, but alive. All of them
+        when each process answers (none to single out)."""
+        answers = await asyncio.gather(*(self.links[r].responsive() for r in silent))
+        gone = [r for r, alive in zip(silent, answers, strict=True) if not alive]
+        return gone or silent
 
     def poke_survivors(self, dead: list[int], step: int) -> None:
         """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
