@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from lockstep.coordinator.group import GroupRunner
 from lockstep.coordinator.metrics import Metrics
@@ -275,3 +276,51 @@ def test_a_wait_whose_ranks_all_answer_health_checks_blames_every_silent_one():
         return None
 
     assert asyncio.run(main()) == [0, 1]
+
+
+class _SlowLink(_Link):
+    async def responsive(self, timeout: float = 1.0) -> bool:
+        await asyncio.sleep(timeout)
+        return self.alive
+
+
+def test_an_idle_group_whose_rank_answers_no_health_check_goes_down_blaming_that_rank(monkeypatch):
+    """Bug fix (found by fault injection): a rank stopped while its group was idle went unnoticed (/health 200,
+    lockstep_rank_up 1) until a request found it silent and waited out the stall and dead-rank timeouts."""
+    from lockstep.coordinator import group_ranks
+    from lockstep.coordinator.group_ranks import GroupDown, GroupRanks
+
+    monkeypatch.setattr(group_ranks, "IDLE_CHECK_S", 0.05)
+
+    async def main() -> GroupDown:
+        ranks = GroupRanks("g0", ["a:1", "a:2"], Metrics(), stall_threshold=0.05, dead_rank_timeout=0.3)
+        ranks.links = [_Link(0, True), _Link(1, False)]
+        try:
+            await asyncio.wait_for(ranks.idle(asyncio.Event()), 5)
+        except GroupDown as exc:
+            return exc
+        raise AssertionError("idle returned")
+
+    down = asyncio.run(main())
+    assert down.ranks == [1] and "while the group was idle" in str(down)
+
+
+def test_an_idle_group_wakes_at_once_with_a_health_check_in_flight_and_stays_up_while_ranks_answer(monkeypatch):
+    from lockstep.coordinator import group_ranks
+    from lockstep.coordinator.group_ranks import GroupRanks
+
+    monkeypatch.setattr(group_ranks, "IDLE_CHECK_S", 0.01)
+
+    async def main() -> float:
+        ranks = GroupRanks("g0", ["a:1", "a:2"], Metrics(), stall_threshold=0.05, dead_rank_timeout=0.1)
+        ranks.links = [_SlowLink(0, True), _Link(1, True)]
+        wakeup = asyncio.Event()
+        idle = asyncio.ensure_future(ranks.idle(wakeup))
+        await asyncio.sleep(0.5)  # many checks, each answered (the slow one in 1 s): never down
+        assert not idle.done()
+        wakeup.set()
+        t0 = time.monotonic()
+        await asyncio.wait_for(idle, 5)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 0.2  # not held by the check in flight

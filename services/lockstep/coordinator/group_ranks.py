@@ -28,6 +28,7 @@ log = logging.getLogger("lockstep.group")
 POLL_S = 0.25
 RECONNECT_S = 1.0
 STREAM_ACK_S = 5.0  # how long a rank that answered Info may take to acknowledge a new Step stream
+IDLE_CHECK_S = 5.0  # how often an idle group's ranks are health-checked
 
 
 def inconsistent(infos: list[RankInfo], size: int) -> str:
@@ -161,22 +162,54 @@ class GroupRanks:
             link.send(flush_msg if link.rank in flushed else msg)
 
     async def idle(self, wakeup: asyncio.Event) -> None:
-        """Wait for `wakeup`, but notice a rank whose stream breaks meanwhile (an idle group is watched too)."""
+        """Wait for `wakeup`, but watch the ranks meanwhile: a stream that breaks, or a process that answers no health
+        check for the dead-rank timeout (stopped or hung while idle), takes the group down now, not when the next
+        request finds it silent. A health check in flight when `wakeup` comes is dropped, not waited for."""
         woken = asyncio.ensure_future(wakeup.wait())
         got: asyncio.Future | None = None
+        check: asyncio.Future | None = None
+        quiet: dict[int, float] = {}  # rank -> when it first answered no health check
+        due = time.monotonic() + IDLE_CHECK_S
         try:
             while not woken.done():
-                got = asyncio.ensure_future(self.inbox.get())
-                await asyncio.wait({woken, got}, return_when=asyncio.FIRST_COMPLETED)
-                if not got.done():
-                    break
-                rank, item = got.result()
-                if isinstance(item, str):
-                    raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
-        finally:  # also when the group's task is cancelled here: no get() left pending on the inbox
-            woken.cancel()
-            if got is not None and not got.done():
-                got.cancel()
+                if got is None:
+                    got = asyncio.ensure_future(self.inbox.get())
+                if check is None and time.monotonic() >= due:
+                    check = asyncio.ensure_future(self._not_answering())
+                waits = {woken, got} if check is None else {woken, got, check}
+                await asyncio.wait(waits, timeout=None if check is not None else max(0.0, due - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if got.done():
+                    rank, item = got.result()
+                    got = None
+                    if isinstance(item, str):
+                        raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
+                if check is not None and check.done():
+                    self._still_quiet(check.result(), quiet)
+                    check, due = None, time.monotonic() + IDLE_CHECK_S
+        finally:  # also when the group's task is cancelled here: no get() or check left pending
+            for pending in (woken, got, check):
+                if pending is not None and not pending.done():
+                    pending.cancel()
+
+    async def _not_answering(self) -> list[int]:
+        answers = await asyncio.gather(*(link.responsive() for link in self.links))
+        return [link.rank for link, alive in zip(self.links, answers, strict=True) if not alive]
+
+    def _still_quiet(self, silent: list[int], quiet: dict[int, float]) -> None:
+        """Keep when each silent rank fell silent; raise GroupDown for those silent past the dead-rank timeout."""
+        now = time.monotonic()
+        for rank in [r for r in quiet if r not in silent]:
+            log.info("group %s: rank %d answers its health checks again", self.name, rank)
+            del quiet[rank]
+        for rank in silent:
+            if rank not in quiet:
+                log.warning("group %s: rank %d answers no health check while the group is idle", self.name, rank)
+                quiet[rank] = now
+        dead = [r for r, since in quiet.items() if now - since >= self.dead_rank_timeout]
+        if dead:
+            raise GroupDown(f"rank(s) {dead} of group {self.name} answered no health check for "
+                            f"{self.dead_rank_timeout:.0f} s while the group was idle", dead)
 
     async def gather(self, step: int) -> list[Report]:
         """Every rank's report of `step`, in rank order: the agreement wait."""
