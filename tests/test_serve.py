@@ -42,6 +42,20 @@ def test_default_tp_is_the_smallest_size_above_one_the_shapes_and_the_cores_allo
                               vocab_size=384), slots=64) == 1
 
 
+def test_a_tp_size_that_cannot_split_the_model_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """Found by fault injection: `lockstep serve --tp 2` of the built-in model (9 heads) started its ranks, each
+    failed, the group was restarted five times (about 25 s) and serve exited without the reason."""
+    from lockstep.serve import main
+
+    model = _config(tmp_path, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                    vocab_size=49152)
+    t0 = time.monotonic()
+    assert main(["--model", str(model), "--tp", "2", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "tensor-parallel size 2 cannot split" in err and "TP sizes that work: 1, 3\n" in err
+    assert time.monotonic() - t0 < 5 and "starting" not in err
+
+
 def _free_port_pair() -> int:
     """A free port whose next one is free too: `lockstep serve --port P` serves gRPC on P + 1 (a CI run failed
     to bind it when only P had been checked)."""
@@ -155,7 +169,7 @@ def test_a_stopped_rank_is_named_then_declared_dead_and_its_group_recreated(tiny
     body = {"prompt": list(range(7, 27)), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     args = ("--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1", "--stall-threshold", "1",
-            "--dead-rank-timeout", "6")
+            "--dead-rank-timeout", "4")  # before the survivor's collective times out, as by default (30 s, 60 s)
     with _serving(tmp_path, *args, env={"LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS": "6"}) as (proc, port, log):
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, port, log)
@@ -176,6 +190,7 @@ def test_a_stopped_rank_is_named_then_declared_dead_and_its_group_recreated(tiny
         assert status == 200 and got["choices"][0]["token_ids"] == undisturbed
         text = log.read_text()
         assert "not responding at all: [1]" in text and "restarting the group" in text, text
+        assert "rank(s) [1] of group g0 silent" in text, text  # the stopped one alone, not its live peer
         print(f"recovered in {time.monotonic() - t0:.1f} s")
 
 

@@ -22,7 +22,7 @@ from lockstep.engine_config import DTYPE
 from lockstep.local_group import free_port
 from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
 from lockstep.model.config import ModelConfig
-from lockstep.parallel.sharding import valid_tp_sizes
+from lockstep.parallel.sharding import TPConfigError, check_tp_size, valid_tp_sizes
 from lockstep.rank_auth import RankClientAuth, env_with_token, new_token
 from lockstep.settings import Setting, add_settings, at_least, integer, resolve
 
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         return 2
     tp = args.tp or _default_tp(model_dir, args.dp, say)
+    try:  # here, not in each rank: a size that cannot split the model would fail every rank, restart after restart
+        check_tp_size(ModelConfig.from_dir(model_dir), tp)
+    except TPConfigError as exc:
+        say(str(exc))
+        return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // (tp * args.dp))
     token = new_token()  # the ranks serve only this coordinator; by environment, never on a command line
     groups = _groups(args, model_dir, tp, threads, env_with_token(token, os.environ))
