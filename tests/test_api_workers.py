@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -49,6 +50,9 @@ def test_a_spec_crosses_the_link_whole():
     msg = fpb.SubmitMsg.FromString(spec_to_proto("link", "r1", spec).SerializeToString())
     assert (msg.link_id, msg.request_id) == ("link", "r1")
     assert spec_from_proto(msg) == spec
+    second = dataclasses.replace(spec, choice=1)  # choice 1 of a request of n: the coordinator counts only choice 0
+    sent = spec_to_proto("link", "r1-1", second).SerializeToString()
+    assert spec_from_proto(fpb.SubmitMsg.FromString(sent)) == second
     with pytest.raises(WireError, match="no request id"):
         spec_from_proto(spec_to_proto("link", "", spec))
 

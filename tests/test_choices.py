@@ -84,6 +84,7 @@ def test_each_choice_has_its_own_seed_and_id():
     spec = build_spec(MODEL, SamplingFields(seed=7, n=3, temperature=1.0), [5, 6])
     specs = choice_specs(spec)
     assert [s.sampling.seed for s in specs] == [7, 8, 9] and {s.n for s in specs} == {1}
+    assert [s.choice for s in specs] == [0, 1, 2]
     assert all(s.prompt_ids == [5, 6] and s.max_tokens == spec.max_tokens for s in specs)
     assert choice_ids("cmpl-x", 3) == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"] and choice_ids("r", 1) == ["r"]
     top = choice_specs(build_spec(MODEL, SamplingFields(seed=SEED_MAX, n=2), [5]))

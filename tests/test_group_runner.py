@@ -324,3 +324,34 @@ def test_an_idle_group_wakes_at_once_with_a_health_check_in_flight_and_stays_up_
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 0.2  # not held by the check in flight
+
+
+def test_a_request_of_n_choices_is_counted_against_max_waiting_requests_once_as_it_arrives():
+    """Bug fix (found by fuzzing the API): each choice was checked against --max-waiting-requests with its siblings
+    already queued, so n above the cap got 503 "retry later" on an idle server, forever. A request is now counted
+    as it arrives (its first choice); a later one finds them all waiting."""
+    from lockstep.coordinator.choices import choice_ids, choice_specs
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.generation import ApiError, GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    class Queueing(OneGroup):
+        def counts(self) -> tuple[int, int]:
+            return len(self.submitted), 0  # everything waits
+
+    async def main() -> None:
+        coord = Coordinator(CoordinatorConfig(max_waiting_requests=3), tokenizer=None, model_name="m",
+                            max_model_len=64)
+        group = coord.groups["g0"] = Queueing()
+        spec = GenerateSpec([1, 2, 3], SamplingParams(temperature=1.0, seed=5), 4, n=6)
+        for rid, one in zip(choice_ids("r", 6), choice_specs(spec), strict=True):
+            coord.generate(rid, one)
+        assert len(group.submitted) == 6
+        try:
+            coord.generate("late", GenerateSpec([1, 2, 3], SamplingParams(), 4))
+            raise AssertionError("an overloaded coordinator took the request")
+        except ApiError as exc:
+            assert exc.status == 503 and "6 requests are waiting" in exc.message
+
+    asyncio.run(main())

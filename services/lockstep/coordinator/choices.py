@@ -32,7 +32,7 @@ def choice_specs(spec: GenerateSpec) -> list[GenerateSpec]:
     if spec.n == 1:
         return [spec]
     seed = spec.sampling.seed
-    return [replace(spec, n=1, sampling=spec.sampling if seed is None else replace(
+    return [replace(spec, n=1, choice=i, sampling=spec.sampling if seed is None else replace(
         spec.sampling, seed=(seed + i - SEED_MIN) % (1 << 64) + SEED_MIN)) for i in range(spec.n)]
 
 

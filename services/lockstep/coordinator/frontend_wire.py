@@ -29,7 +29,7 @@ def spec_to_proto(link_id: str, request_id: str, spec: GenerateSpec) -> fpb.Subm
     msg = fpb.SubmitMsg(link_id=link_id, request_id=request_id, prompt_ids=spec.prompt_ids, max_tokens=spec.max_tokens,
                         stop=spec.stop, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
                         max_tokens_given=spec.max_tokens_given, include_stop_str=spec.include_stop_str,
-                        echo_only=spec.echo_only)
+                        echo_only=spec.echo_only, choice=spec.choice)
     msg.sampling.MergeFromString(sampling_bytes(spec.sampling))
     return msg
 
@@ -39,7 +39,7 @@ def spec_from_proto(msg: fpb.SubmitMsg) -> GenerateSpec:
         raise WireError("a submitted request has no request id")
     return GenerateSpec(list(msg.prompt_ids), sampling_from_bytes(msg.sampling.SerializeToString()), msg.max_tokens,
                         list(msg.stop), list(msg.stop_token_ids), msg.ignore_eos, msg.max_tokens_given, 1,
-                        msg.include_stop_str, msg.echo_only)
+                        msg.include_stop_str, msg.echo_only, msg.choice)
 
 
 def answer_of(error: ApiError | None) -> fpb.SubmitAnswer:

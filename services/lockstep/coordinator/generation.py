@@ -88,6 +88,7 @@ class GenerateSpec:
     n: int = 1  # choices; `choice_specs` fans a spec out into n specs of one choice each
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string or token stays in the text
     echo_only: bool = False  # max_tokens 0 with echo: run with max_tokens 1, the token dropped (endings.prompt_only)
+    choice: int = 0  # which of its request's n choices: only choice 0 is counted against --max-waiting-requests
 
 
 class ServedModel(Protocol):

@@ -337,7 +337,7 @@ class Coordinator:
             raise ApiError(409, f"request id {request_id!r} is already running", "request_id",
                            "request_id_in_use")
         waiting = sum(g.counts()[0] for g in self.groups.values()) + len(self._parked)
-        if waiting >= self.config.max_waiting_requests:
+        if waiting >= self.config.max_waiting_requests and spec.choice == 0:  # its other choices follow it in
             raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting already "
                                 f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
                            code="server_overloaded", err_type="service_unavailable")

@@ -20,7 +20,7 @@ class LinkHello(_message.Message):
     def __init__(self, link_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SubmitMsg(_message.Message):
-    __slots__ = ("link_id", "request_id", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "max_tokens_given", "include_stop_str", "echo_only")
+    __slots__ = ("link_id", "request_id", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "max_tokens_given", "include_stop_str", "echo_only", "choice")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SubmitMsg(_message.Message):
     MAX_TOKENS_GIVEN_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_FIELD_NUMBER: _ClassVar[int]
     ECHO_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     link_id: str
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -43,7 +44,8 @@ class SubmitMsg(_message.Message):
     max_tokens_given: bool
     include_stop_str: bool
     echo_only: bool
-    def __init__(self, link_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_rank_pb2.SamplingParamsMsg, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens_given: _Optional[bool] = ..., include_stop_str: _Optional[bool] = ..., echo_only: _Optional[bool] = ...) -> None: ...
+    choice: int
+    def __init__(self, link_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_rank_pb2.SamplingParamsMsg, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens_given: _Optional[bool] = ..., include_stop_str: _Optional[bool] = ..., echo_only: _Optional[bool] = ..., choice: _Optional[int] = ...) -> None: ...
 
 class SubmitAnswer(_message.Message):
     __slots__ = ("ok", "status", "message", "param", "code", "type", "retry_after")
