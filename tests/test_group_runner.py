@@ -355,3 +355,26 @@ def test_a_request_of_n_choices_is_counted_against_max_waiting_requests_once_as_
             assert exc.status == 503 and "6 requests are waiting" in exc.message
 
     asyncio.run(main())
+
+
+def test_a_migrating_drain_then_resume_leaves_no_migration_behind_for_the_next_request():
+    """Bug fix (found by fuzzing the API): drain?migrate=true of an idle group returned at once with its migration
+    still asked; resume cleared only `draining`, so the next step handed the next request over (to no other group:
+    it waited out --replay-timeout, 300 s, then got 503)."""
+
+    class Idle(PlanOnly):
+        def has_work(self) -> bool:
+            return False
+
+    async def main() -> None:
+        runner = _runner()
+        runner.scheduler = Idle()
+        await asyncio.wait_for(runner.drain(migrate=True), 2)  # holds nothing: returns at once
+        runner.resume()
+        assert not runner.draining and not runner.migrate_asked
+        runner.migrate_asked = True  # a migration asked while requests were held is dropped by resume too
+        runner.resume()
+        assert not runner.migrate_asked
+        await runner.close()
+
+    asyncio.run(main())

@@ -107,10 +107,16 @@ class GroupRunner:
         """Take no new request; return once the group holds nothing: its requests finished or, with
         `migrate`, were handed to other groups at the next step boundary (as when it goes down)."""
         self.draining = True
-        self.migrate_asked = self.migrate_asked or migrate
+        self.migrate_asked = (self.migrate_asked or migrate) and not self.holds_nothing
         self.kick()
         while not self.holds_nothing:
             await asyncio.sleep(0.05)
+
+    def resume(self) -> None:
+        """Take new requests again; a migration asked by the drain is dropped with it (else the next step would
+        hand over the first requests the group takes, with no other group asked to take them)."""
+        self.draining = False
+        self.migrate_asked = False
 
     @property
     def load(self) -> int:

@@ -215,7 +215,7 @@ class Coordinator:
         if group in self._leaving:
             raise KeyError(group)
         runner = self.groups[group]
-        runner.draining = False
+        runner.resume()
         if runner.serving:
             self._group_up(group)  # requests parked while it drained (and no other group could take them)
         return {"group": group, "draining": False}
