@@ -378,3 +378,50 @@ def test_a_migrating_drain_then_resume_leaves_no_migration_behind_for_the_next_r
         await runner.close()
 
     asyncio.run(main())
+
+
+def test_a_flush_of_a_rank_the_group_lacks_names_it_cut_short():
+    """Found by fuzzing the API: /admin/reset_prefix_cache with rank 1e300 answered with all 300 digits."""
+
+    async def main() -> str:
+        runner = _runner()
+        try:
+            await runner.flush(10**300)
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            await runner.close()
+        raise AssertionError("a flush of rank 10**300 was taken")
+
+    message = asyncio.run(main())
+    assert message.startswith("group g0 has ranks 0..1, not 1000000") and len(message) < 100, message
+
+
+def test_a_request_too_large_for_the_pool_names_the_prompt_when_the_prompt_alone_is_too_large():
+    """Found by fuzzing the API: a prompt longer than the KV pool, sent with no max_tokens, was a 400 naming
+    max_tokens, which the client never sent."""
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.generation import ApiError, GenerateSpec
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import SamplingParams
+
+    class Small(OneGroup):
+        capacity_tokens = 64
+
+        def cannot_hold(self, request: Request) -> str:
+            return "too large" if request.max_positions > self.capacity_tokens else ""
+
+    async def main() -> list[str | None]:
+        coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=512)
+        coord.groups["g0"] = Small()
+        params = []
+        for i, (prompt, max_tokens, given) in enumerate(((70, 400, False), (70, 4, True), (30, 100, True))):
+            try:
+                coord.generate(f"r{i}", GenerateSpec(list(range(1, prompt + 1)), SamplingParams(), max_tokens,
+                                                     max_tokens_given=given))
+            except ApiError as exc:
+                assert exc.status == 400 and exc.code == "request_too_large"
+                params.append(exc.param)
+        return params
+
+    assert asyncio.run(main()) == ["prompt", "prompt", "max_tokens"]

@@ -55,11 +55,13 @@ def test_tokenize_a_prompt_and_a_chat_and_detokenize_back():
     (D, {}, "tokens", "list of token ids"),
     (D, {"tokens": [1, "a"]}, "tokens", "list of token ids"),
     (D, {"tokens": [10**9]}, "tokens", "outside the vocabulary"),
+    (D, {"tokens": [1e300]}, "tokens", "outside the vocabulary"),  # named cut short, not in 300 digits
     (D, {"tokens": [1], "prompt": "x"}, "prompt", "unsupported field"),
 ])
 def test_bad_tokenize_requests_are_400s_naming_the_field_and_the_document_refuses_them(path, body, param, words):
     (status, answer), = _answers([(path, body)])
     assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    assert len(answer["error"]["message"]) < 160, answer
     assert list(_validator(path).iter_errors(body)), body
 
 

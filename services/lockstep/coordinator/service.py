@@ -351,7 +351,8 @@ class Coordinator:
             raise ApiError(400, str(exc)) from exc
         too_large = group.cannot_hold(request)
         if too_large:  # known before any token: a status, not an error inside a stream
-            raise ApiError(400, too_large, "max_tokens", "request_too_large")
+            alone = group.capacity_tokens and len(spec.prompt_ids) > group.capacity_tokens  # too large with 1 token
+            raise ApiError(400, too_large, "prompt" if alone else "max_tokens", "request_too_large")
         group.submit(request)
         expected = 0 if request.scoring_prompt or not self.config.prefix_caching else \
             route.expected_hit_tokens(len(spec.prompt_ids), self.config.page_size)
