@@ -56,6 +56,22 @@ def test_a_tp_size_that_cannot_split_the_model_is_refused_before_any_rank_starts
     assert time.monotonic() - t0 < 5 and "starting" not in err
 
 
+def test_a_stopped_rank_process_is_continued_so_it_acts_on_its_sigterm_at_once():
+    """Found by fault injection: restarting a group whose rank was SIGSTOPped waited out the whole SIGTERM grace
+    (10 s), since a stopped process keeps its SIGTERM pending until it is continued."""
+    from lockstep.local_ranks import stop_processes
+
+    # as a rank does, it handles SIGTERM: a handled signal waits while the process is stopped
+    handles = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); "
+               "print(1, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", handles], stdout=subprocess.PIPE)
+    assert proc.stdout.readline()
+    proc.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    stop_processes([proc], grace_s=5.0)
+    assert time.monotonic() - t0 < 2.0 and proc.returncode == 3
+
+
 def _free_port_pair() -> int:
     """A free port whose next one is free too: `lockstep serve --port P` serves gRPC on P + 1 (a CI run failed
     to bind it when only P had been checked)."""

@@ -29,10 +29,12 @@ def rank_command(rank: int, world_size: int, rendezvous: str, port: int, model: 
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM every process still running, then SIGKILL what has not exited after `grace_s`."""
+    """SIGTERM every process still running (and SIGCONT: a stopped one acts on its SIGTERM only once continued),
+    then SIGKILL what has not exited after `grace_s`."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
