@@ -344,6 +344,26 @@ def test_grpc_servicer_complete_and_generate():
     assert "".join(m.text for m in streamed) == "Hello wo" and streamed[-1].finish_reason == "stop"
     assert list(streamed[0].prompt_token_ids) == [5, 6] and not streamed[-1].prompt_token_ids
     assert fe.closed == ["closed", "closed"]
+    # found by a gRPC fuzz: the stream's last message carried no usage, as the proto says it does
+    assert streamed[-1].HasField("usage") and not any(m.HasField("usage") for m in streamed[:-1])
+    assert streamed[-1].usage == done.usage
+    assert [t for m in streamed for t in m.token_ids] == list(done.token_ids)
+
+
+def test_grpc_generate_sends_token_ids_only_when_asked_as_complete_does():
+    """Found by a gRPC fuzz: Generate filled token_ids whatever return_token_ids said; Complete did not."""
+    from lockstep.coordinator.grpc_api import InferenceServicer
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+
+    servicer = InferenceServicer(FakeFrontend(tokens("Hello", " wor", "ld", reason=FinishReason.LENGTH)))
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6]))
+
+    async def go():
+        return await servicer.Complete(req, None), [m async for m in servicer.Generate(req, None)]
+
+    done, streamed = asyncio.run(go())
+    assert not done.token_ids and not any(m.token_ids or m.prompt_token_ids for m in streamed)
+    assert streamed[-1].usage.completion_tokens == done.usage.completion_tokens == 3
 
 
 # ----- the HTTP API over the fake frontend, in process

@@ -111,19 +111,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.frontend = frontend
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        """One message per text piece; the last one carries the finish reason."""
+        """One message per text piece; the last one carries the finish reason and the usage."""
         try:
             spec, rid = request_spec(self.frontend, request)
-            first = True
+            first, generated = True, 0
             async with aclosing(generate_text(self.frontend, rid, spec)) as pieces:
                 async for piece in pieces:
-                    msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text, token_ids=piece.token_ids,
+                    msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text,
                                                          finish_reason=piece.finish_reason or "")
+                    generated += len(piece.token_ids)
+                    if request.return_token_ids:
+                        msg.token_ids.extend(piece.token_ids)
+                        if first:
+                            msg.prompt_token_ids.extend(spec.prompt_ids)
                     msg.logprobs.extend(logprob_msgs(piece.token_ids, piece.logprobs))
                     msg.prompt_logprobs.extend(prompt_logprob_msgs(spec, piece.prompt_logprobs))  # the first's
                     _stop_reason(msg, piece.stop_reason)
-                    if first and request.return_token_ids:
-                        msg.prompt_token_ids.extend(spec.prompt_ids)
+                    if piece.finish_reason is not None:
+                        msg.usage.CopyFrom(_usage(len(spec.prompt_ids), generated, piece.cached_tokens))
                     first = False
                     yield msg
         except ApiError as exc:
@@ -137,9 +142,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             done = await collect(generate_text(self.frontend, rid, spec))
         except ApiError as exc:
             await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
-        prompt = len(spec.prompt_ids)
-        usage = inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(done.token_ids),
-                                    total_tokens=prompt + len(done.token_ids), cached_tokens=done.cached_tokens)
+        usage = _usage(len(spec.prompt_ids), len(done.token_ids), done.cached_tokens)
         msg = inference_pb2.GenerateResponse(request_id=rid, text=done.text, finish_reason=done.finish_reason or "",
                                              usage=usage, logprobs=logprob_msgs(done.token_ids, done.logprobs),
                                              prompt_logprobs=prompt_logprob_msgs(spec, done.prompt_logprobs))
@@ -148,6 +151,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             msg.token_ids.extend(done.token_ids)
             msg.prompt_token_ids.extend(spec.prompt_ids)
         return msg
+
+
+def _usage(prompt: int, generated: int, cached: int) -> inference_pb2.Usage:
+    return inference_pb2.Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
+                               cached_tokens=cached)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
