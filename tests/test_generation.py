@@ -426,6 +426,7 @@ def test_http_admin_steps():
         lambda c: _get(c, "/admin/steps?group=nope"),
         lambda c: _get(c, "/admin/steps?since=x"),
         lambda c: _get(c, "/admin/steps?since=-1"),
+        lambda c: _get(c, "/admin/steps?since=" + "9" * 30),
     ])
     assert got[0] == (200, {"group": "g0", "steps": fe.step_log(None, 0)["steps"], "next": 2})
     assert got[1] == (200, {"group": "g0", "steps": [[1, 0.002, 0.0, 0.02, 0.0, 0.019]], "next": 2})
@@ -433,6 +434,7 @@ def test_http_admin_steps():
                                                        "param": "group", "code": "group_not_found"}
     assert got[3][0] == 400 and got[3][1]["error"]["param"] == "since"
     assert got[4][0] == 400 and got[4][1]["error"]["param"] == "since"
+    assert got[5][0] == 400 and "at most 18 digits" in got[5][1]["error"]["message"]  # an integer, too long
 
 
 def test_coordinator_step_log_reads_the_groups_step_log():

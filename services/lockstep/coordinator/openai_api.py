@@ -292,7 +292,7 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
     if text is None:
         return None
     if not _QUERY_INT.fullmatch(text):
-        raise ApiError(400, f"'{name}' must be an integer, got {text[:40]!r}", name)
+        raise ApiError(400, f"'{name}' must be an integer of at most 18 digits, got {text[:40]!r}", name)
     value = int(text)
     if value < minimum:
         raise ApiError(400, f"'{name}' must be at least {minimum}, got {value}", name)

@@ -33,7 +33,8 @@ from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
 from lockstep.tokenizer import Tokenizer
 
 log = logging.getLogger("lockstep.frontend")
-_GONE = "the coordinator is gone (its link to this API frontend closed)"
+_GONE = ("the link between this API frontend and the coordinator closed (the coordinator went away, or dropped "
+         "this frontend)")
 
 
 class RemoteCoordinator:
