@@ -350,6 +350,42 @@ def test_grpc_servicer_complete_and_generate():
     assert [t for m in streamed for t in m.token_ids] == list(done.token_ids)
 
 
+def test_a_grpc_call_the_client_may_retry_says_when_in_grpc_retry_pushback(monkeypatch):
+    """Found by a gRPC fuzz: overload was UNAVAILABLE with no retry hint, where HTTP sends Retry-After."""
+    import grpc
+
+    from lockstep.coordinator import grpc_api
+    from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+
+    class Context:
+        async def abort(self, code, details, trailing_metadata=()):
+            self.aborted = (code, details, tuple(trailing_metadata))
+            raise RuntimeError("aborted")
+
+    def refused(status: int):
+        def request_spec(frontend, request):
+            raise ApiError(status, "the server is overloaded" if status == 503 else "bad field")
+        return request_spec
+
+    async def call(status: int, streaming: bool) -> tuple:
+        monkeypatch.setattr(grpc_api, "request_spec", refused(status))
+        servicer, ctx = grpc_api.InferenceServicer(FakeFrontend([])), Context()
+        try:
+            if streaming:
+                [m async for m in servicer.Generate(ipb.GenerateRequest(), ctx)]
+            else:
+                await servicer.Complete(ipb.GenerateRequest(), ctx)
+        except RuntimeError:
+            return ctx.aborted
+        raise AssertionError("the call was not aborted")
+
+    for streaming in (False, True):
+        code, details, trailing = asyncio.run(call(503, streaming))
+        assert code == grpc.StatusCode.UNAVAILABLE and trailing == (("grpc-retry-pushback-ms", "5000"),)
+        code, _, trailing = asyncio.run(call(400, streaming))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and trailing == ()
+
+
 def test_grpc_generate_sends_token_ids_only_when_asked_as_complete_does():
     """Found by a gRPC fuzz: Generate filled token_ids whatever return_token_ids said; Complete did not."""
     from lockstep.coordinator.grpc_api import InferenceServicer

@@ -132,7 +132,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     first = False
                     yield msg
         except ApiError as exc:
-            await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+            await _abort(context, exc)
 
     async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> inference_pb2.GenerateResponse:
@@ -141,7 +141,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             spec, rid = request_spec(self.frontend, request)
             done = await collect(generate_text(self.frontend, rid, spec))
         except ApiError as exc:
-            await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+            await _abort(context, exc)
         usage = _usage(len(spec.prompt_ids), len(done.token_ids), done.cached_tokens)
         msg = inference_pb2.GenerateResponse(request_id=rid, text=done.text, finish_reason=done.finish_reason or "",
                                              usage=usage, logprobs=logprob_msgs(done.token_ids, done.logprobs),
@@ -151,6 +151,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             msg.token_ids.extend(done.token_ids)
             msg.prompt_token_ids.extend(spec.prompt_ids)
         return msg
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ApiError) -> None:
+    """End the call with the error's status; one the client may retry (overload, no group up) says when in
+    `grpc-retry-pushback-ms`, gRPC's own retry hint (HTTP's Retry-After)."""
+    pushback = () if exc.retry_after is None else (("grpc-retry-pushback-ms", str(int(exc.retry_after * 1000))),)
+    await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, pushback)
 
 
 def _usage(prompt: int, generated: int, cached: int) -> inference_pb2.Usage:
