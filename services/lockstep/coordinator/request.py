@@ -79,12 +79,7 @@ def _check_penalties(sampling: SamplingParams) -> None:
 
 
 class Request:
-    """One request as the scheduler tracks it; the service keeps the object it passed to `add`. Slotted: a step
-    at batch 256 reads a few fields of every running request twice (plan ahead, apply)."""
-
-    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "stop_token_ids", "sampling", "_history_at",
-                 "generated", "status", "num_computed", "cached_tokens", "finish_reason", "error", "num_preemptions",
-                 "_keys", "prompt_logprobs")
+    """One request as the scheduler tracks it; the service keeps the object it passed to `add`."""
 
     def __init__(
         self,
