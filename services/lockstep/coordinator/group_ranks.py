@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -175,7 +175,7 @@ class GroupRanks:
                 if got is None:
                     got = asyncio.ensure_future(self.inbox.get())
                 if check is None and time.monotonic() >= due:
-                    check = asyncio.ensure_future(self._not_answering())
+                    check = asyncio.ensure_future(self._not_answering(range(len(self.links))))
                 waits = {woken, got} if check is None else {woken, got, check}
                 await asyncio.wait(waits, timeout=None if check is not None else max(0.0, due - time.monotonic()),
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -192,9 +192,12 @@ class GroupRanks:
                 if pending is not None and not pending.done():
                     pending.cancel()
 
-    async def _not_answering(self) -> list[int]:
-        answers = await asyncio.gather(*(link.responsive() for link in self.links))
-        return [link.rank for link, alive in zip(self.links, answers, strict=True) if not alive]
+    async def _not_answering(self, ranks: Iterable[int]) -> list[int]:
+        """Of these ranks, those whose process answers no health check (checked together: each may take its
+        timeout). A rank blocked in a collective still answers; a stopped or hung one does not."""
+        ranks = list(ranks)
+        answers = await asyncio.gather(*(self.links[r].responsive() for r in ranks))
+        return [r for r, alive in zip(ranks, answers, strict=True) if not alive]
 
     def _still_quiet(self, silent: list[int], quiet: dict[int, float]) -> None:
         """Keep when each silent rank fell silent; raise GroupDown for those silent past the dead-rank timeout."""
@@ -249,26 +252,18 @@ class GroupRanks:
         now = time.monotonic()
         if not stalled and wait.stalled(now, self.stall_threshold):
             missing = wait.missing()
-            silent = [r for r in missing if not await self.links[r].responsive()]
+            silent = await self._not_answering(missing)
             log.warning("group %s step %d: agreement wait stalled for %.1f s; ranks not answered: %s; "
                         "not responding at all: %s", self.name, wait.step, now - wait.started_at, missing, silent)
             self.metrics.agreements_stalled.labels(self.name).inc()
             self.metrics.agreement_stalls.labels(self.name).inc()
             stalled = True
         dead = wait.dead(now, self.dead_rank_timeout)
-        if dead:
-            dead = await self._blamed(dead)
+        if dead:  # a rank stopped mid-step holds its live peers in the collective: blame the processes that are gone
+            dead = await self._not_answering(dead) or dead
             raise GroupDown(f"rank(s) {dead} of group {self.name} silent for {self.dead_rank_timeout:.0f} s at "
                             f"step {wait.step}", dead)
         return stalled
-
-    async def _blamed(self, silent: list[int]) -> list[int]:
-        """Of the ranks that did not answer the step, those whose process does not answer at all: a rank stopped or
-        hung mid-step holds its peers in the step's collective, so they are silent too, but alive. All of them
-        when each process answers (none to single out)."""
-        answers = await asyncio.gather(*(self.links[r].responsive() for r in silent))
-        gone = [r for r, alive in zip(silent, answers, strict=True) if not alive]
-        return gone or silent
 
     def poke_survivors(self, dead: list[int], step: int) -> None:
         """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
