@@ -10,6 +10,7 @@ on the same directory.
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
@@ -178,7 +179,7 @@ class Tokenizer:
         limit = self.vocab_size
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
-                raise ValueError(f"token id {i!r} is outside the vocabulary [0, {limit})")
+                raise ValueError(f"token id {reprlib.repr(i)} is outside the vocabulary [0, {limit})")  # cut short
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import reprlib
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
 from lockstep.coordinator.events import Event
-from lockstep.coordinator.generation import _shown
 from lockstep.coordinator.group_ranks import RECONNECT_S, GroupDown, GroupRanks
 from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.request import Request
@@ -165,7 +165,7 @@ class GroupRunner:
         """Drop the prefix cache of one rank (or all): an operator's tool, carried by the next plan. Returns
         once a plan built after this call has carried the flush out."""
         if rank is not None and not 0 <= rank < len(self.ranks):
-            raise ValueError(f"group {self.name} has ranks 0..{len(self.ranks) - 1}, not {_shown(rank)}")
+            raise ValueError(f"group {self.name} has ranks 0..{len(self.ranks) - 1}, not {reprlib.repr(rank)}")
         loop = asyncio.get_running_loop()
         futs = [self.flush_asked.setdefault(r, loop.create_future())
                 for r in (range(len(self.ranks)) if rank is None else [rank])]
