@@ -33,8 +33,7 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
     flying = dict(zip(cols.request_ids, zip(map(operator.add, cols.starts, cols.token_counts), cols.sample,
                                             strict=True), strict=True))  # where each leaves its request
     batch = ChunkColumns.empty()
-    run: tuple[list, list, list, list] = ([], [], [], [])  # a run of pending decodes: ids, starts, samplings, indexes
-    ids, starts, samplings, indexes = run
+    ids, starts, samplings, indexes = [], [], [], []  # a run of pending decodes, appended to `batch` at its end
     in_page = control.grow_in_page
     for req in running:
         rid = req.request_id
@@ -50,8 +49,8 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
                 indexes.append(generated + 1)
                 continue
         if ids:
-            batch.extend_pending(*run)
-            run = ids, starts, samplings, indexes = [], [], [], []
+            batch.extend_pending(ids, starts, samplings, indexes)
+            ids, starts, samplings, indexes = [], [], [], []
         left = req.num_tokens + pending - start
         if left <= 0:
             continue
@@ -63,5 +62,5 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
         elif control.tokens_left > 0:
             return None
     if ids:
-        batch.extend_pending(*run)
+        batch.extend_pending(ids, starts, samplings, indexes)
     return batch
