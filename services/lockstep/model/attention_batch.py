@@ -282,9 +282,9 @@ class _Masks:
     the biases per dtype made a block at a time. One block is as wide as its widest group, so the groups share
     one block only when that wastes little (a long group among short ones gets its own)."""
 
-    def __init__(self, ends: torch.Tensor, lows: torch.Tensor | None, reach: int, window: int | None,
+    def __init__(self, ends: torch.Tensor, reach: int, window: int | None,
                  blocks: list[tuple[int, int, int, list[tuple[int, int, int]]]]) -> None:
-        self.ends, self.lows = ends, lows  # of every row; lows None without a window
+        self.ends = ends  # of every row: it sees slots [ends - window, ends) (all before its end without a window)
         self.reach, self.window = reach, window  # the greatest end (on the host, so nothing waits for a device)
         self.blocks = blocks  # (first row, rows, slots wide, (group, rows, slots) of each group, in row order)
         self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
@@ -297,29 +297,27 @@ class _Masks:
     def _mask(self, a: int, k: int, width: int) -> torch.Tensor:
         slot = torch.arange(width, device=self.ends.device)
         seen = slot < self.ends[a:a + k].unsqueeze(1)
-        if self.lows is not None:
-            seen &= slot >= self.lows[a:a + k].unsqueeze(1)
+        if self.window is not None:
+            seen &= slot >= self.ends[a:a + k].unsqueeze(1) - self.window
         return seen
 
     @classmethod
-    def build(cls, ends: torch.Tensor, lows: torch.Tensor, reach: int, groups: list[tuple[int, int]],
-              window: int | None) -> _Masks | None:
-        """Row r sees slots [lows[r], ends[r]): without a window, all before its end; with one, lows[r] is
-        max(ends[r] - window, 0), as `build_all` counts slots. reach: the greatest end. groups: (rows, slots)
-        each, 0 slots for one needing no mask."""
+    def build(cls, ends: torch.Tensor, reach: int, groups: list[tuple[int, int]], window: int | None
+              ) -> _Masks | None:
+        """Row r sees slots [ends[r] - window, ends[r]) (without a window, all before its end), slots counted as
+        `build_all` counts them; reach: the greatest end. groups: (rows, slots) each, 0 slots for one needing no
+        mask."""
         width = max(h for _, h in groups)
         if not width:
             return None
-        lows_seen = None if window is None else lows
         if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
-            return cls(ends, lows_seen, reach, window, [(0, len(ends), width, [(g, k, h) for g, (k, h) in
-                                                                                enumerate(groups)])])
+            return cls(ends, reach, window, [(0, len(ends), width, [(g, k, h) for g, (k, h) in enumerate(groups)])])
         blocks, a = [], 0
         for g, (k, h) in enumerate(groups):
             if h:
                 blocks.append((a, k, h, [(g, k, h)]))
             a += k
-        return cls(ends, lows_seen, reach, window, blocks)
+        return cls(ends, reach, window, blocks)
 
     def _bias_rows(self, dtype: torch.dtype) -> Callable[[int, int, int], torch.Tensor]:
         """Rows [a, a + k) of a block `width` slots wide, 0 where a row sees the slot and -inf elsewhere: each row
@@ -416,10 +414,10 @@ class _SingleGather:
         pages = _padded_pages(batch.table.numpy(), cols[0], cols[1], cols[2], widths)
         if pages.size and pages.min() < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
-        pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[3:])], batch.positions.device)
-        masks = _Masks.build(rest[1], rest[0], max(hi), [(k, h) for _, k, _, h in spans], window)
+        pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[4:])], batch.positions.device)
+        masks = _Masks.build(rest[0], max(hi), [(k, h) for _, k, _, h in spans], window)
         out = []
-        row_sets = [None] * len(spans) if whole else rest[2].split(sizes)
+        row_sets = [None] * len(spans) if whole else rest[1].split(sizes)
         for i, ((a, k, w, h), g_pages, g_rows) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
                                                                 row_sets, strict=True)):
             if h:
