@@ -435,12 +435,7 @@ def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_f
         _wait_healthy(proc, port, log)
 
         def frontends() -> list[psutil.Process]:
-            found = []
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):  # one killed a moment ago: gone, or not reaped yet
-                    if "lockstep.coordinator.remote" in " ".join(p.cmdline()):
-                        found.append(p)
-            return found
+            return _frontends(proc.pid)
 
         assert len(frontends()) == 2
         prompt = list(range(5, 25))
@@ -480,6 +475,46 @@ def test_serve_with_api_workers_answers_as_the_coordinator_does_and_restarts_a_f
         assert proc.wait(timeout=30) in (0, 130)
         _, alive = psutil.wait_procs(everyone, timeout=15)
         assert not alive, "processes outlived lockstep serve"
+
+
+def _frontends(pid: int) -> list[psutil.Process]:
+    """The API frontend processes under `lockstep serve`'s process `pid`."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one killed a moment ago: gone, or not reaped yet
+            if "lockstep.coordinator.remote" in " ".join(p.cmdline()):
+                found.append(p)
+    return found
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_frontend_whose_loop_is_stopped_is_killed_and_started_again_so_no_connection_hangs_on_it(
+        tiny_llama, tmp_path):
+    """A frontend stopped (SIGSTOP; or its event loop wedged) still holds its share of the shared port: the kernel
+    hands it connections that nobody answers. Its heartbeats stop, so the coordinator kills it within
+    FRONTEND_SILENT_S and starts another; after that every request is answered."""
+    from lockstep.coordinator.api_workers import FRONTEND_SILENT_S
+
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1", "--tp", "1",
+                  "--api-workers", "2") as (proc, port, log):
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, port, log)
+        victim = _frontends(proc.pid)[0]
+        victim.suspend()
+        deadline = time.monotonic() + FRONTEND_SILENT_S + 30
+        while not _gone(victim) or len(_frontends(proc.pid)) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert f"API frontend pid {victim.pid} sent no heartbeat" in log.read_text()
+        for _ in range(8):  # each connection to a frontend that answers
+            status, body = http("POST", url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}, timeout=20)
+            assert status == 200, body
 
 
 class HeavyTickingCoordinator(TickingCoordinator):
@@ -576,6 +611,31 @@ def test_a_wedged_frontend_is_killed_so_that_it_is_started_again():
         assert all(p.poll() is None for p in procs)
         workers.kill_wedged(SimpleNamespace(pid=procs[1].pid))
         assert procs[1].wait(10) == -signal.SIGKILL and procs[0].poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_frontend_is_killed_once_its_heartbeats_stop_and_a_starting_one_has_its_start_timeout():
+    """ApiWorkers.kill_silent: heard within FRONTEND_SILENT_S, or started within START_TIMEOUT_S and not heard yet,
+    it lives; past either it is killed. A beat older than the process's start (its pid once another's) counts as
+    none."""
+    import sys
+    from types import SimpleNamespace
+
+    from lockstep.coordinator.api_workers import FRONTEND_SILENT_S, START_TIMEOUT_S, ApiWorkers
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    try:
+        workers = ApiWorkers(None, None, None, "", None, SimpleNamespace(beats={}))
+        workers.procs, now = procs, 1000.0
+        workers.started = [now - 1, now - START_TIMEOUT_S - 1, now - 100, now - 100]
+        workers.servicer.beats = {procs[1].pid: now - 200, procs[2].pid: now - FRONTEND_SILENT_S + 1,
+                                  procs[3].pid: now - FRONTEND_SILENT_S - 1}
+        workers.kill_silent(now)
+        assert procs[1].wait(10) == procs[3].wait(10) == -signal.SIGKILL
+        assert procs[0].poll() is None and procs[2].poll() is None
     finally:
         for p in procs:
             p.kill()

@@ -34,6 +34,10 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # a frontend that exits is started again after 
 STEADY_S = 10.0  # a frontend that ran this long before it exited starts again after the shortest wait
 KILL_AFTER_GRACE_S = 2.5  # past its shutdown grace a frontend is killed (inside the coordinator's own stop bound)
 POLL_S = 0.2
+# A frontend that sent no heartbeat for this long (remote.FRONTEND_BEAT_S apart) is stopped or its event loop is
+# stuck: it is killed and started again. Alive, it keeps its share of the shared port, and the kernel goes on
+# handing it connections that nobody answers.
+FRONTEND_SILENT_S = 10.0
 
 
 def reserve(host: str, port: int) -> socket.socket:
@@ -103,7 +107,19 @@ class ApiWorkers:
             self.procs.append(proc)
             self.started.append(time.monotonic())
         else:
+            self.servicer.beats.pop(self.procs[slot].pid, None)
             self.procs[slot], self.started[slot] = proc, time.monotonic()
+
+    def kill_silent(self, now: float) -> None:
+        """Kill each frontend that has sent no heartbeat for FRONTEND_SILENT_S (one starting has START_TIMEOUT_S to
+        link), so the watch starts it again."""
+        for proc, started in zip(self.procs, self.started, strict=True):
+            heard = self.servicer.beats.get(proc.pid)
+            due = started + START_TIMEOUT_S if heard is None or heard < started else heard + FRONTEND_SILENT_S
+            if now > due and proc.poll() is None:
+                log.error("API frontend pid %d sent no heartbeat for %.1f s (stopped, or its event loop is stuck): "
+                          "killed, to be started again", proc.pid, now - max(started, heard or started))
+                proc.kill()
 
     def kill_wedged(self, link: Link) -> None:
         """A frontend that stopped reading its link (its requests are aborted already) is killed, so the watch
@@ -127,10 +143,11 @@ class ApiWorkers:
 
     async def _restart_exited(self) -> None:
         """A frontend that exits (it holds no request state: its requests were aborted with its link) is started
-        again; one that keeps exiting soon after its start waits longer each time."""
+        again; one that keeps exiting soon after its start waits longer each time. One gone silent is killed first."""
         waits = [RESTART_BACKOFF_S[0]] * len(self.procs)
         while not self._stopping:
             await asyncio.sleep(POLL_S)
+            self.kill_silent(time.monotonic())
             for i, proc in enumerate(self.procs):
                 if proc.poll() is None or self._stopping:
                     continue

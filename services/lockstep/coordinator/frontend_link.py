@@ -136,12 +136,14 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
         self.coordinator = coordinator
         self.links: dict[str, Link] = {}
         self.on_wedged: Callable[[Link], None] | None = None  # told of a frontend that stopped reading its link
+        self.beats: dict[int, float] = {}  # a frontend process's last sign of life (time.monotonic()), by pid
 
     async def Events(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[fpb.StepEventsMsg]:
         if not request.link_id or request.link_id in self.links:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"link id {request.link_id!r} is empty or in use")
         link = self.links[request.link_id] = Link(self.coordinator, request.link_id, request.pid, self.on_wedged)
+        self.beats[request.pid] = time.monotonic()
         log.info("frontend %s linked", request.link_id)
         try:
             yield fpb.StepEventsMsg()  # linked: the frontend submits only after this
@@ -171,6 +173,10 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
         link = self.links.get(request.link_id)
         if link is not None:
             link.cancel(request.request_id)
+        return fpb.Empty()
+
+    async def Beat(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext) -> fpb.Empty:
+        self.beats[request.pid] = time.monotonic()
         return fpb.Empty()
 
     async def Describe(self, request: fpb.Empty, context: grpc.aio.ServicerContext) -> fpb.Description:

@@ -35,6 +35,7 @@ from lockstep.tokenizer import Tokenizer
 log = logging.getLogger("lockstep.frontend")
 _GONE = ("the link between this API frontend and the coordinator closed (the coordinator went away, or dropped "
          "this frontend)")
+FRONTEND_BEAT_S = 1.0  # between heartbeats (the coordinator's FRONTEND_SILENT_S is ten of them)
 
 
 class RemoteCoordinator:
@@ -76,6 +77,17 @@ class RemoteCoordinator:
         for box in self.boxes.values():
             box.put(TokenEvent(None, None, error=_GONE))
         self.boxes.clear()
+
+    async def beat(self) -> None:
+        """Tell the coordinator, from this process's event loop, that it runs: one whose loop stops (stopped,
+        wedged) sends nothing, and the coordinator kills it rather than let it take connections it never answers."""
+        hello = fpb.LinkHello(link_id=self.link_id, pid=os.getpid())
+        while True:
+            try:
+                await self.stub.Beat(hello, timeout=FRONTEND_BEAT_S * 4)
+            except grpc.aio.AioRpcError as exc:  # the coordinator is gone or busy: the pump sees the link's end
+                log.debug("a heartbeat was not delivered: %s", exc.details())
+            await asyncio.sleep(FRONTEND_BEAT_S)
 
     async def generate(self, request_id: str, spec: GenerateSpec) -> RequestEvents:
         box: Outbox[TokenEvent] = Outbox()
@@ -173,10 +185,12 @@ async def serve_frontend(link: str, model_dir: str, host: str, port: int, api_ke
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     pump = asyncio.ensure_future(remote.pump())
+    beat = asyncio.ensure_future(remote.beat())
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({pump, waiter}, return_when=asyncio.FIRST_COMPLETED)
     await runner.cleanup()
     pump.cancel()
+    beat.cancel()
     waiter.cancel()
     await remote.close()
     return 0 if stop.is_set() else 1

@@ -69,6 +69,11 @@ class FrontendLinkStub:
                 request_serializer=lockstep_dot_v1_dot_frontend__pb2.AdminCall.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_frontend__pb2.JsonAnswer.FromString,
                 _registered_method=True)
+        self.Beat = channel.unary_unary(
+                '/lockstep.v1.FrontendLink/Beat',
+                request_serializer=lockstep_dot_v1_dot_frontend__pb2.LinkHello.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_frontend__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class FrontendLinkServicer:
@@ -123,6 +128,15 @@ class FrontendLinkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Beat(self, request, context):
+        """The frontend is alive: sent from its event loop every second or so. A frontend whose heartbeats stop (stopped,
+        or its loop wedged) is killed and started again, since the kernel goes on handing it connections on the shared
+        port that nobody answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendLinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +174,11 @@ def add_FrontendLinkServicer_to_server(servicer, server):
                     servicer.Admin,
                     request_deserializer=lockstep_dot_v1_dot_frontend__pb2.AdminCall.FromString,
                     response_serializer=lockstep_dot_v1_dot_frontend__pb2.JsonAnswer.SerializeToString,
+            ),
+            'Beat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Beat,
+                    request_deserializer=lockstep_dot_v1_dot_frontend__pb2.LinkHello.FromString,
+                    response_serializer=lockstep_dot_v1_dot_frontend__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +370,33 @@ class FrontendLink:
             '/lockstep.v1.FrontendLink/Admin',
             lockstep_dot_v1_dot_frontend__pb2.AdminCall.SerializeToString,
             lockstep_dot_v1_dot_frontend__pb2.JsonAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Beat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.FrontendLink/Beat',
+            lockstep_dot_v1_dot_frontend__pb2.LinkHello.SerializeToString,
+            lockstep_dot_v1_dot_frontend__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
