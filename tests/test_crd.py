@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import jsonschema
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from lockstep_operator.crd import CRD_NAME, build_crd, crd_yaml, strict_schema
-from lockstep_operator.resource import SpecError, apply_defaults, check_name, normalize
+from lockstep_operator.resource import SpecError, apply_defaults, check_buildable, check_name, normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_VERSIONS = ("1.30", "1.33")
@@ -93,6 +94,12 @@ GOOD_SPECS = [
                                "threshold": 2}}},
     {"tls": {"secretName": "rank-certs"}},
     {"tls": {"secretName": "rank-certs", "serverName": "lockstep-rank", "clientAuth": True}},
+    {"agreement": {"stallThresholdSeconds": 86400, "deadRankTimeoutSeconds": 43200, "replayTimeoutSeconds": 86400}},
+    {"resources": {"requests": {"cpu": "500m", "memory": "7.5Gi", "ephemeral-storage": "1e9"},
+                   "limits": {"nvidia.com/gpu": 8, "cpu": 16, "memory": ".5Ti"}}},
+    {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "h100", "effect": "NoExecute",
+                      "tolerationSeconds": 300}, {"operator": "Exists"}],
+     "imagePullSecrets": [{"name": "regcred"}]},
 ]
 
 BAD_SPECS = [
@@ -129,6 +136,22 @@ BAD_SPECS = [
     ({"tls": {"secretName": "x", "clientAuth": "yes"}}, "clientAuth"),
     ({"tls": {"secretName": "x", "ca": "ca.crt"}}, "ca"),
     ({"tls": "rank-certs"}, "tls"),
+    # past what the services accept (the ranks' collectives time out at twice the dead-rank timeout)
+    ({"agreement": {"deadRankTimeoutSeconds": 43201}}, "deadRankTimeoutSeconds"),
+    ({"agreement": {"stallThresholdSeconds": 86401}}, "stallThresholdSeconds"),
+    ({"agreement": {"replayTimeoutSeconds": 1e308}}, "replayTimeoutSeconds"),
+    # what the API server would refuse in the pods built from it
+    ({"resources": {"requests": {"cpu": "lots"}}}, "cpu"),
+    ({"resources": {"limits": {"memory": "1Gb"}}}, "memory"),
+    ({"resources": {"limits": {"nvidia.com/gpu": -1}}}, "nvidia.com/gpu"),
+    ({"resources": {"limits": {"nvidia.com/gpu": "-1"}}}, "nvidia.com/gpu"),
+    ({"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}, "operator"),
+    ({"tolerations": [{"key": "gpu", "effect": "NoRun"}]}, "effect"),
+    ({"tolerations": [{"key": "gpu", "tolerationSeconds": "60"}]}, "tolerationSeconds"),
+    ({"tolerations": [{"keys": "gpu"}]}, "keys"),
+    ({"imagePullSecrets": [{}]}, "name"),
+    ({"imagePullSecrets": [{"name": ""}]}, "name"),
+    ({"imagePullSecrets": ["regcred"]}, "imagePullSecrets"),
 ]
 
 
@@ -181,6 +204,24 @@ def test_cross_field_rules(spec: dict, message: str) -> None:
 def test_bad_names(name: str) -> None:
     with pytest.raises(SpecError, match="metadata.name"):
         check_name(name)
+
+
+def test_the_crd_refuses_the_names_the_operator_refuses() -> None:
+    """`kubectl apply` of a name the operator cannot build from fails at once (a CEL rule on metadata.name), with
+    the operator's own rule: the rule's length bound and pattern (RE2's `matches` finds, so it is anchored) agree
+    with check_name on every name here."""
+    (rule,) = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    found = re.fullmatch(r"self\.metadata\.name\.size\(\) <= (\d+) && self\.metadata\.name\.matches\('(.+)'\)",
+                         rule["rule"])
+    assert found, rule
+    bound, pattern = int(found[1]), found[2]
+    for name in ["demo", "a", "a-b-9", "x" * 47, "x" * 48, "Demo", "9lives", "a_b", "my.app", "a-", "-a", ""]:
+        try:
+            check_name(name)
+            operator_says = True
+        except SpecError:
+            operator_says = False
+        assert (len(name) <= bound and re.search(pattern, name) is not None) == operator_says, name
 
 
 def test_strict_schema_does_not_mutate_the_crd() -> None:
@@ -239,3 +280,20 @@ def test_non_finite_numbers_are_refused(field: str, value: float) -> None:
 def test_tls_is_off_unless_asked_and_defaulted_inside() -> None:
     assert "tls" not in normalize({})
     assert normalize({"tls": {"secretName": "c"}})["tls"] == {"secretName": "c", "serverName": "", "clientAuth": False}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, r"volume name\(s\) \['dshm'\] twice"),
+    ({"volumes": [{"name": "x", "emptyDir": {}}, {"name": "x", "emptyDir": {}}]}, r"\['x'\] twice"),
+    ({"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]},
+     r"mount path\(s\) \['/dev/shm'\] are taken twice"),
+    ({"volumeMounts": [{"name": "nowhere", "mountPath": "/data"}]}, r"mount\(s\) of \['nowhere'\]"),
+])
+def test_extra_volumes_that_clash_with_the_operators_own_are_refused_with_the_reason(extra: dict,
+                                                                                     message: str) -> None:
+    """The API server would refuse the StatefulSet (422) and the deployment would wait on it for ever; the operator
+    says why instead. Extra volumes and mounts that do not clash are built."""
+    with pytest.raises(SpecError, match=message):
+        check_buildable("demo", normalize(extra))
+    check_buildable("demo", normalize({"volumes": [{"name": "data", "emptyDir": {}}],
+                                       "volumeMounts": [{"name": "data", "mountPath": "/data"}]}))

@@ -26,7 +26,7 @@ from lockstep_operator.decisions import (
     recreate_reason,
     serving,
 )
-from lockstep_operator.kube import Kube
+from lockstep_operator.kube import Kube, KubeError
 from lockstep_operator.memory import OperatorMemory
 from lockstep_operator.observe import GroupState, Observed, PodState, Transition, group_states, pod_state
 from lockstep_operator.resource import normalize
@@ -399,9 +399,11 @@ class MemoryKube(Kube):
         return obj
 
     def patch(self, kind: str, namespace: str, name: str, patch: dict, subresource: str | None = None) -> dict:
-        def merge(into: dict, change: dict) -> None:
+        def merge(into: dict, change: dict) -> None:  # RFC 7386: null removes
             for key, value in change.items():
-                if isinstance(value, dict) and isinstance(into.get(key), dict):
+                if value is None:
+                    into.pop(key, None)
+                elif isinstance(value, dict) and isinstance(into.get(key), dict):
                     merge(into[key], value)
                 else:
                     into[key] = copy.deepcopy(value)
@@ -410,6 +412,31 @@ class MemoryKube(Kube):
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         return self.objects.pop((kind, name), None) is not None
+
+
+def test_a_field_applied_before_and_wanted_no_more_is_removed_and_one_set_by_others_is_kept() -> None:
+    """A merge patch removes only what it sets to null: apply remembers what it applied, so a nodeSelector taken
+    out of the spec leaves the StatefulSet, while a field the server or someone else set stays. An object applied
+    before apply remembered anything loses nothing on its first patch, and is remembered from then on."""
+    spec = normalize({"model": {"path": "/m"}, "nodeSelector": {"pool": "old"},
+                      "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    kube = MemoryKube([])
+    assert kube.apply(m.group_statefulset("demo", "ml", spec, 0)) == "created"
+    kube.objects[("StatefulSet", "demo-g0")]["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"  # a default
+    assert kube.apply(m.group_statefulset("demo", "ml", spec, 0)) == "unchanged"
+    plain = normalize({"model": {"path": "/m"}})
+    assert kube.apply(m.group_statefulset("demo", "ml", plain, 0)) == "patched"
+    pod = kube.get("StatefulSet", "ml", "demo-g0")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod and pod["dnsPolicy"] == "ClusterFirst"
+    assert kube.apply(m.group_statefulset("demo", "ml", plain, 0)) == "unchanged"
+
+    legacy = m.group_statefulset("demo", "ml", spec, 1)  # made by an operator that kept no record
+    kube.create(legacy)
+    assert kube.apply(m.group_statefulset("demo", "ml", plain, 1)) == "patched"
+    assert kube.get("StatefulSet", "ml", "demo-g1")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "old"}
+    assert kube.apply(m.group_statefulset("demo", "ml", spec, 1)) == "patched"
+    assert kube.apply(m.group_statefulset("demo", "ml", plain, 1)) == "patched"
+    assert "nodeSelector" not in kube.get("StatefulSet", "ml", "demo-g1")["spec"]["template"]["spec"]
 
 
 def test_timer_recreates_every_waiting_group_and_counts_each(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -461,3 +488,42 @@ def test_reconcile_labels_groups_made_before_the_index_label(monkeypatch: pytest
     status = kube.get("LockstepDeployment", "ml", "demo")["status"]
     assert status["phase"] == "Ready" and status["readyGroups"] == 2
 
+
+
+class RefusingKube(MemoryKube):
+    """An API server that refuses StatefulSets as invalid (422), as it does one whose pod template it rejects, or
+    is unavailable (503)."""
+
+    def __init__(self, objects: list[dict], status: int) -> None:
+        super().__init__(objects)
+        self.status = status
+
+    def create(self, obj: dict) -> dict:
+        if obj["kind"] == "StatefulSet":
+            raise KubeError(self.status, "StatefulSet.apps \"demo-g0\" is invalid: spec.template.spec.volumes[3]")
+        return super().create(obj)
+
+
+def test_an_object_the_api_server_refuses_is_a_degraded_deployment_that_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 422 will not pass by itself: the deployment turns Degraded with the server's reason and an InvalidSpec
+    event, instead of showing Progressing for ever with the reason only in the operator's log. A 503 may pass: it
+    is raised for kopf to retry, and the status says nothing it does not know."""
+    cr = {"apiVersion": "lockstep.dev/v1alpha1", "kind": "LockstepDeployment",
+          "metadata": {"name": "demo", "namespace": "ml", "uid": "u", "generation": 3},
+          "spec": {"model": {"path": "/m"}}}
+    events: list[str] = []
+    monkeypatch.setattr(kopf, "event", lambda *_, **kw: events.append(kw["reason"]))
+    kube = RefusingKube([cr], 422)
+    with pytest.raises(kopf.PermanentError, match="refused an object built from this spec: HTTP 422"):
+        handlers.reconcile(body=kopf.Body(cr), name="demo", namespace="ml", logger=logging.getLogger("test"),
+                           memo=kopf.Memo(lockstep=OperatorMemory(kube=kube)))
+    status = kube.get("LockstepDeployment", "ml", "demo")["status"]
+    assert status["phase"] == "Degraded" and "volumes[3]" in status["conditions"][0]["message"]
+    assert status["observedGeneration"] == 3 and events == ["InvalidSpec"]
+
+    kube = RefusingKube([cr], 503)
+    with pytest.raises(KubeError):
+        handlers.reconcile(body=kopf.Body(cr), name="demo", namespace="ml", logger=logging.getLogger("test"),
+                           memo=kopf.Memo(lockstep=OperatorMemory(kube=kube)))
+    assert "status" not in kube.get("LockstepDeployment", "ml", "demo")

@@ -317,3 +317,27 @@ def test_group_token_secret_is_created_once_never_read_and_mounted() -> None:
         assert token() == first, "a reconcile must never rotate the group token"
         assert set(secrets_requests()) == {"POST"}, "the operator creates the Secret and never reads it"
     run(scenario)
+
+
+def test_a_field_taken_out_of_the_spec_leaves_the_cluster() -> None:
+    """A nodeSelector removed from the spec leaves the rolled group's and the coordinator's pod templates (a merge
+    patch removes only what it sets to null), and networkPolicy: false deletes the groups' NetworkPolicies."""
+    async def scenario(kube: Kube, k: kmock.KubernetesEmulator) -> None:
+        await asyncio.to_thread(kube.create, cr({"tensorParallelSize": 1, "groups": 1,
+                                                 "nodeSelector": {"pool": "old-gpus"}}))
+        sts = await until(lambda: kube.get("StatefulSet", NS, "demo-g0"))
+        assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "old-gpus"}
+        assert await until(lambda: kube.get("NetworkPolicy", NS, "demo-g0"))
+        await until(lambda: kube.get("Deployment", NS, "demo-coordinator"))
+        await asyncio.to_thread(kube.create, rank_pod("demo-g0", 0, sts))
+        await asyncio.to_thread(kube.patch, "LockstepDeployment", NS, "demo",
+                                {"metadata": {"generation": 2}, "spec": {"nodeSelector": None, "networkPolicy": False}})
+
+        def settled() -> bool:
+            sts = kube.get("StatefulSet", NS, "demo-g0")["spec"]["template"]["spec"]
+            coord = kube.get("Deployment", NS, "demo-coordinator")["spec"]["template"]["spec"]
+            return ("nodeSelector" not in sts and "nodeSelector" not in coord
+                    and kube.get("NetworkPolicy", NS, "demo-g0") is None)
+
+        await until(settled)
+    run(scenario)

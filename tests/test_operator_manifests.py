@@ -160,6 +160,15 @@ def test_pvc_model_scheduling_and_extra_env() -> None:
     coord = by(objs, "Deployment", "demo-coordinator")["spec"]["template"]["spec"]
     cenv = env_of(coord["containers"][0])
     assert cenv["LOCKSTEP_MODEL"] == "/models/llama" and cenv["LOCKSTEP_SERVED_MODEL_NAME"] == "llama"
+    # pinned to the ranks' (tainted) GPU nodes, it tolerates their taint, else it stays Pending
+    assert coord["nodeSelector"] == {"gpu": "h100"} and coord["tolerations"] == SPECS["pvc-tp4"]["tolerations"]
+    assert coord["affinity"] == SPECS["pvc-tp4"]["affinity"] and coord["imagePullSecrets"] == [{"name": "regcred"}]
+    apart = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app.kubernetes.io/component": "rank"}},
+         "topologyKey": "kubernetes.io/hostname"}]}}
+    spread = normalize({**SPECS["pvc-tp4"], "affinity": {**SPECS["pvc-tp4"]["affinity"], **apart}})
+    coord = m.coordinator_deployment("demo", "ml", spread)["spec"]["template"]["spec"]
+    assert coord["affinity"] == SPECS["pvc-tp4"]["affinity"], "rank pod terms are not the coordinator's"
     groups = by(objs, "ConfigMap", "demo-groups")["data"][m.GROUPS_KEY]
     assert groups.count("\n") == 3 and groups.count(",") == 9
     assert by(objs, "Service", "demo")["spec"]["type"] == "LoadBalancer"

@@ -67,10 +67,15 @@ def _opaque(kind: str, description: str) -> Schema:
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
+# A resource quantity as Kubernetes writes one (resource.Quantity), without a sign: no resource is negative.
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+QUANTITY_PATTERN = rf"^{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_DECIMAL}))?$"
+
+
 def _quantities(description: str) -> Schema:
     return {"type": "object", "description": description,
-            "additionalProperties": {"anyOf": [{"type": "integer"}, {"type": "string"}],
-                                     "x-kubernetes-int-or-string": True}}
+            "additionalProperties": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
+                                     "pattern": QUANTITY_PATTERN, "x-kubernetes-int-or-string": True}}
 
 
 def _resources(default: Schema, description: str) -> Schema:
@@ -172,11 +177,12 @@ def _runtime_schemas() -> dict[str, Schema]:
         ),
         "agreement": _obj(
             {
-                "stallThresholdSeconds": _num(0, None, 5, exclusive_minimum=True,
+                "stallThresholdSeconds": _num(0, 86400, 5, exclusive_minimum=True,
                                               description="A longer agreement wait is stalled."),
-                "deadRankTimeoutSeconds": _num(0, None, 30, exclusive_minimum=True,
-                                               description="A rank silent this long is dead."),
-                "replayTimeoutSeconds": _num(0, None, 300, description=(
+                "deadRankTimeoutSeconds": _num(0, 43200, 30, exclusive_minimum=True, description=(
+                    "A rank silent this long is dead (at most 12 h: a rank's collectives time out at twice "
+                    "this, and at most at 24 h).")),
+                "replayTimeoutSeconds": _num(0, 86400, 300, description=(
                     "How long the requests of a group that went down wait for a group to take them when "
                     "no other is up (0: they fail at once with a retriable 503).")),
             },
@@ -214,7 +220,8 @@ def spec_schema() -> Schema:
             "image": _str(default="ghcr.io/lockstep-dev/lockstep:0.1.0", min_length=1,
                           description="Image with the `lockstep` command."),
             "imagePullPolicy": _str(default="IfNotPresent", enum=["Always", "IfNotPresent", "Never"]),
-            "imagePullSecrets": _opaque("array", "LocalObjectReferences for private registries."),
+            "imagePullSecrets": {"type": "array", "description": "LocalObjectReferences for private registries.",
+                                 "items": _obj({"name": _str(min_length=1)}, required=["name"])},
             "model": _model_schema(),
             "tensorParallelSize": _int(1, 64, 1, "Ranks per group (pods per StatefulSet)."),
             "groups": _int(0, 256, 1, "Data-parallel replicas: one StatefulSet each."),
@@ -225,7 +232,11 @@ def spec_schema() -> Schema:
                               "description": "Only the coordinator and the group's ranks reach a rank."},
             "clusterDomain": _str(default="cluster.local", min_length=1),
             "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-            "tolerations": _opaque("array", "Tolerations for rank pods."),
+            "tolerations": {"type": "array", "description": "Tolerations for rank pods (and the coordinator's).",
+                            "items": _obj({"key": _str(), "operator": _str(enum=["Exists", "Equal"]),
+                                           "value": _str(),
+                                           "effect": _str(enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
+                                           "tolerationSeconds": _int()})},
             "affinity": _opaque("object", "Affinity for rank pods."),
             "env": _opaque("array", "Extra EnvVars for every container."),
             "volumes": _opaque("array", "Extra Volumes for rank and coordinator pods."),
@@ -273,6 +284,12 @@ def status_schema() -> Schema:
     })
 
 
+# The longest rank pod name is N-g<255>-<63>, and the StatefulSet controller adds a
+# controller-revision-hash label `N-g<255>-<10 chars>`: both must fit a 63-character label value.
+MAX_NAME_LENGTH = 63 - len("-g255-") - 10
+NAME_PATTERN = r"[a-z]([-a-z0-9]*[a-z0-9])?"  # a DNS label that starts with a letter (it names Services)
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition object, ready to apply."""
     return {
@@ -298,6 +315,13 @@ def build_crd() -> dict[str, Any]:
                         "spec": spec_schema() | {"default": {}},
                         "status": status_schema(),
                     },
+                    "x-kubernetes-validations": [{
+                        "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
+                                f"self.metadata.name.matches('^{NAME_PATTERN}$')",
+                        "message": f"metadata.name must be a DNS label that starts with a letter, of at most "
+                                   f"{MAX_NAME_LENGTH} characters (the names of its pods and their labels are "
+                                   "built from it)",
+                    }],
                 }},
                 "subresources": {
                     "status": {},

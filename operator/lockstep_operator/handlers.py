@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 
@@ -53,7 +53,7 @@ from lockstep_operator.drain import (
 from lockstep_operator.kube import Kube, KubeError, default_api_client
 from lockstep_operator.memory import MEMO_KEY, MEMO_KUBE, OperatorMemory
 from lockstep_operator.observe import GroupState, Observed, PodState, observe, pod_state
-from lockstep_operator.resource import SpecError, check_name, normalize
+from lockstep_operator.resource import SpecError, check_buildable, check_name, normalize
 
 RETRY_SECONDS = float(os.environ.get("LOCKSTEP_OPERATOR_RETRY_SECONDS", "15"))
 STATUS_INTERVAL_SECONDS = float(os.environ.get("LOCKSTEP_OPERATOR_STATUS_INTERVAL_SECONDS", "30"))
@@ -129,13 +129,19 @@ def _spec_or_report(memory: OperatorMemory, body: kopf.Body) -> dict[str, Any]:
     """The normalized spec; an invalid one is reported (event, Degraded status) and never retried."""
     try:
         check_name(body.metadata.name)
-        return normalize(dict(body.spec))
+        spec = normalize(dict(body.spec))
+        check_buildable(body.metadata.name, spec)
+        return spec
     except SpecError as e:
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(e))
-        status = invalid_status(str(e), body.metadata.get("generation"), _now())
-        memory.kube.patch(KIND, body.metadata.namespace, body.metadata.name, {"status": status},
-                          subresource="status")
-        raise kopf.PermanentError(str(e)) from e
+        _refuse(memory, body, str(e), e)
+
+
+def _refuse(memory: OperatorMemory, body: kopf.Body, message: str, cause: Exception) -> NoReturn:
+    """Report a spec that cannot be served (event, Degraded status) and stop: it is not retried until it changes."""
+    kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
+    status = invalid_status(message, body.metadata.get("generation"), _now())
+    memory.kube.patch(KIND, body.metadata.namespace, body.metadata.name, {"status": status}, subresource="status")
+    raise kopf.PermanentError(message) from cause
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -146,6 +152,16 @@ def reconcile(body: kopf.Body, name: str, namespace: str, logger: logging.Logger
     """Make the cluster match the spec; roll changed groups one at a time."""
     memory = _memory(memo)
     spec = _spec_or_report(memory, body)
+    try:
+        _reconcile(memory, body, spec, name, namespace, logger)
+    except KubeError as e:
+        if e.status not in (400, 422):  # anything else may pass (a conflict, a quota, a server restarting)
+            raise
+        _refuse(memory, body, f"the API server refused an object built from this spec: {e}", e)
+
+
+def _reconcile(memory: OperatorMemory, body: kopf.Body, spec: dict[str, Any], name: str, namespace: str,
+               logger: logging.Logger) -> None:
     owner = dict(body)
     with memory.lock(namespace, name):
         _create_group_token(memory, owner, logger)
@@ -190,12 +206,15 @@ def _create_group_token(memory: OperatorMemory, owner: dict[str, Any], logger: l
 
 def _apply_groups(memory: OperatorMemory, owner: dict[str, Any], spec: dict[str, Any], rollout: Rollout,
                   logger: logging.Logger) -> None:
-    """Every group's Service and NetworkPolicy; the StatefulSets of new groups; labels of old ones."""
+    """Every group's Service and NetworkPolicy (deleted when the spec turned them off); the StatefulSets of new
+    groups; labels of old ones."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     for i in range(spec["groups"]):
         svc, sts, *rest = m.group_manifests(name, namespace, spec, i)
         for obj in (svc, *rest):
             memory.kube.apply(_owned(obj, owner))
+        if not rest:
+            memory.kube.delete("NetworkPolicy", namespace, m.group_name(name, i))
         if i in rollout.create:
             logger.info(f"group {sts['metadata']['name']}: {memory.kube.apply(_owned(sts, owner))}")
         elif i in rollout.relabel:

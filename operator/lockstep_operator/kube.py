@@ -102,18 +102,48 @@ class Kube:
         """Create the object or patch it to the desired state; says which (or 'unchanged').
 
         Only `metadata` and `spec` (a ConfigMap's `data`) are compared and patched: what the server adds
-        (defaults, status) never counts as a difference.
+        (defaults, status) never counts as a difference. A merge patch removes a field only when it says
+        `null`, so the object keeps what was applied last (LAST_APPLIED, kubectl's three-way merge), and a
+        field the operator applied before and wants no more (a nodeSelector taken out of the spec) is patched
+        to null.
         """
         meta = obj["metadata"]
+        desired = {k: v for k, v in obj.items() if k in ("metadata", "spec", "data")}
+        record = {**desired, "metadata": {**meta, "annotations": {
+            **meta.get("annotations", {}), LAST_APPLIED: json.dumps(desired, sort_keys=True, separators=(",", ":"))}}}
         current = self.get(obj["kind"], meta["namespace"], meta["name"])
         if current is None:
-            self.create(obj)
+            self.create({**obj, "metadata": record["metadata"]})
             return "created"
-        desired = {k: v for k, v in obj.items() if k in ("metadata", "spec", "data")}
-        if contains(current, desired):
+        if contains(current, record):
             return "unchanged"
-        self.patch(obj["kind"], meta["namespace"], meta["name"], desired)
+        self.patch(obj["kind"], meta["namespace"], meta["name"], with_removals(last_applied(current), record))
         return "patched"
+
+
+LAST_APPLIED = "lockstep.dev/last-applied"
+
+
+def last_applied(obj: dict[str, Any]) -> dict[str, Any]:
+    """What the operator applied to this object last ({} for one applied before it kept that, or unreadable)."""
+    raw = obj.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED)
+    try:
+        found = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def with_removals(before: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """`desired` as a merge patch over an object `before` was applied to: each key `before` had and `desired`
+    lacks is null (removed), in nested objects too; lists are replaced whole by a merge patch anyway."""
+    out = dict(desired)
+    for k, was in before.items():
+        if k not in desired:
+            out[k] = None
+        elif isinstance(was, dict) and isinstance(desired[k], dict):
+            out[k] = with_removals(was, desired[k])
+    return out
 
 
 def contains(actual: Any, desired: Any) -> bool:

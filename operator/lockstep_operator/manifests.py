@@ -230,6 +230,17 @@ def _pod_extras(spec: dict[str, Any]) -> Manifest:
     return extras
 
 
+def _coordinator_extras(extras: Manifest) -> Manifest:
+    """The ranks' scheduling fields the coordinator shares: it runs on the nodes they run on, so it takes their
+    node selection and their tolerations (pinned to tainted GPU nodes without them it would stay Pending), but not
+    their pod (anti-)affinity, whose terms are about rank pods."""
+    out = {k: v for k, v in extras.items() if k in ("nodeSelector", "tolerations", "imagePullSecrets")}
+    node = extras.get("affinity", {}).get("nodeAffinity")
+    if node:
+        out["affinity"] = {"nodeAffinity": node}
+    return out
+
+
 def template_hash(template: Manifest) -> str:
     """A short digest of a pod template: a group whose pods carry another one must be rolled."""
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
@@ -374,7 +385,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "volumeMounts": mounts + [_token_mount()[1], {"name": GROUPS_VOLUME, "mountPath": GROUPS_MOUNT,
                                                        "readOnly": True}] + tls_mounts,
     }
-    pod_extras = {k: v for k, v in _pod_extras(spec).items() if k in ("nodeSelector", "imagePullSecrets")}
+    pod_extras = _coordinator_extras(_pod_extras(spec))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lockstep_operator.crd import Schema, spec_schema
+from lockstep_operator.crd import MAX_NAME_LENGTH, NAME_PATTERN, Schema, spec_schema
 
 BUILTIN_TP_SIZES = (1, 3)
 
@@ -46,6 +46,12 @@ def _check(schema: Schema, value: Any, path: str) -> None:
     if schema.get("x-kubernetes-int-or-string"):
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise SpecError(f"{path}: must be an integer or a string, got {value!r}")
+        low = next((s["minimum"] for s in schema.get("anyOf", []) if s.get("type") == "integer" and "minimum" in s),
+                   None)
+        if isinstance(value, int) and low is not None and value < low:
+            raise SpecError(f"{path}: must be at least {low}, got {value!r}")
+        if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+            raise SpecError(f"{path}: {value!r} is not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
         return
     _check_value(schema, value, path)
     if schema.get("type") == "object":
@@ -122,16 +128,35 @@ def normalize(spec: Mapping[str, Any] | None) -> dict[str, Any]:
     return full
 
 
-# The longest rank pod name is N-g<255>-<63>, and the StatefulSet controller adds a
-# controller-revision-hash label `N-g<255>-<10 chars>`: both must fit a 63-character label value.
-MAX_NAME_LENGTH = 63 - len("-g255-") - 10
-
-
 def check_name(name: str) -> None:
     """A LockstepDeployment name that every derived object name and label can be built from."""
-    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+    if not re.fullmatch(NAME_PATTERN, name):
         raise SpecError(f"metadata.name: {name!r} must be a DNS label (lower case, digits, '-'), "
                         "starting with a letter")
     if len(name) > MAX_NAME_LENGTH:
         raise SpecError(f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} fit "
                         "the names of its pods")
+
+
+def check_buildable(name: str, spec: dict[str, Any]) -> None:
+    """SpecError for a spec whose extra volumes and mounts the API server would refuse in the pods built from it:
+    a volume named as one of the operator's own (or twice), a mount path taken twice in a container, a mount of no
+    volume. Checked here, so the deployment says why instead of waiting on a StatefulSet never made."""
+    from lockstep_operator import manifests as m
+
+    for what, pod in (("rank", m.rank_pod_template(name, "x", spec, 0)["spec"]),
+                      ("coordinator", m.coordinator_deployment(name, "x", spec)["spec"]["template"]["spec"])):
+        volumes = [v.get("name") for v in pod.get("volumes", [])]
+        twice = sorted({v for v in volumes if volumes.count(v) > 1})
+        if twice:
+            raise SpecError(f"spec.volumes: the {what} pod would have volume name(s) {twice} twice (the operator "
+                            f"mounts its own as {sorted(set(volumes) - set(twice))}); rename yours")
+        for c in pod["containers"]:
+            paths = [v.get("mountPath") for v in c.get("volumeMounts", [])]
+            taken = sorted({p for p in paths if paths.count(p) > 1})
+            if taken:
+                raise SpecError(f"spec.volumeMounts: mount path(s) {taken} are taken twice in the {what} container "
+                                f"(the operator's own mounts: {sorted(set(paths) - set(taken))})")
+            missing = sorted({v.get("name") for v in c.get("volumeMounts", [])} - set(volumes))
+            if missing:
+                raise SpecError(f"spec.volumeMounts: mount(s) of {missing}, which spec.volumes does not define")
