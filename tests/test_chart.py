@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -12,6 +14,7 @@ import yaml
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
 
+from lockstep.coordinator.auth import parse_api_keys  # noqa: E402
 from lockstep_operator.crd import build_crd, strict_schema  # noqa: E402
 from lockstep_operator.resource import normalize  # noqa: E402
 
@@ -39,6 +42,8 @@ VALUES = {
     "rebalance": {"deployment": {"spec": {"kvCache": {"pageSize": 32, "rebalance": {
         "enabled": False, "intervalSteps": 25, "cooldownSeconds": 30.5, "minSamples": 0, "threshold": 1.5}}}}},
     "coordinator-api-key": {"operator": {"coordinatorApiKeySecret": {"name": "lockstep-api", "key": "key"}}},
+    "spec-env-api-key": {"deployment": {"spec": {"env": [{"name": "LOCKSTEP_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "own-keys", "key": "keys"}}}]}}},
 }
 
 
@@ -182,6 +187,67 @@ def test_operator_gets_the_coordinators_api_key_for_drains_without_reading_secre
     assert operator_env({}) == []
     assert operator_env(VALUES["coordinator-api-key"]) == [{"name": "LOCKSTEP_OPERATOR_API_KEY", "valueFrom": {
         "secretKeyRef": {"name": "lockstep-api", "key": "key"}}}]
+
+
+def helm_test_container(values: dict) -> dict:
+    (pod,) = kinds(render(values))["Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = pod["spec"]["containers"]
+    return container
+
+
+def run_test_pod(container: dict, tmp_path: Path, key: str | None) -> list[str]:
+    """The test pod's command run here with a stand-in curl that prints its arguments (one a line)."""
+    fake = tmp_path / "curl"
+    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_API_KEY"} | {
+        "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    if key is not None:
+        env["LOCKSTEP_API_KEY"] = key
+    out = subprocess.run(container.get("command", []) + container.get("args", []), env=env, capture_output=True,
+                         text=True, timeout=30, check=True)
+    return out.stdout.splitlines()
+
+
+def test_helm_test_sends_no_key_when_none_is_configured(tmp_path: Path) -> None:
+    container = helm_test_container({})
+    assert "env" not in container
+    args = run_test_pod(container, tmp_path, None)
+    assert not any(a.startswith("Authorization") for a in args)
+    assert args[-1] == "http://demo.ml.svc:8000/v1/completions"
+    assert "Authorization" not in notes({})
+
+
+@pytest.mark.parametrize("keys", ["k1", "k1,k2", " k1 , k2 ", ",,k1,k2\n", "k1\n"])
+def test_helm_test_sends_the_coordinators_first_key(keys: str, tmp_path: Path) -> None:
+    """With coordinator API keys on, /v1/completions answers 401 without one: the test pod gets the key
+    file from the Secret the operator uses and sends its first key, as the coordinator parses the list."""
+    container = helm_test_container(VALUES["coordinator-api-key"])
+    assert container["env"] == [{"name": "LOCKSTEP_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "lockstep-api", "key": "key"}}}]
+    args = run_test_pod(container, tmp_path, keys)
+    first = parse_api_keys([], keys)[0]
+    assert args[args.index("-H") + 1] == f"Authorization: Bearer {first}"
+    assert args[-1] == "http://demo.ml.svc:8000/v1/completions"
+
+
+def test_helm_test_uses_the_deployments_own_key_first(tmp_path: Path) -> None:
+    """A LOCKSTEP_API_KEY in the deployment's spec.env is what the coordinators check: the pod takes that."""
+    values = VALUES["spec-env-api-key"] | {"operator": VALUES["coordinator-api-key"]["operator"]}
+    container = helm_test_container(values)
+    assert container["env"] == VALUES["spec-env-api-key"]["deployment"]["spec"]["env"]
+    assert "Authorization: Bearer k9" in run_test_pod(container, tmp_path, "k9,k8")
+    container = helm_test_container({"deployment": {"spec": {"env": [{"name": "LOCKSTEP_API_KEY", "value": "a,b"}]}}})
+    assert container["env"] == [{"name": "LOCKSTEP_API_KEY", "value": "a,b"}]
+
+
+def test_notes_tell_how_to_send_the_key() -> None:
+    text = notes(VALUES["coordinator-api-key"])
+    assert "Authorization: Bearer" in text
+    assert "kubectl -n ml get secret lockstep-api -o jsonpath='{.data.key}' | base64 -d" in text
+    text = notes(VALUES["spec-env-api-key"])
+    assert "kubectl -n ml get secret own-keys -o jsonpath='{.data.keys}' | base64 -d" in text
 
 
 def test_chart_copies_equal_the_monitoring_sources() -> None:

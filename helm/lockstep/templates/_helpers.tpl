@@ -27,3 +27,20 @@ app.kubernetes.io/name: lockstep
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
+
+{{- /*
+The coordinators' LOCKSTEP_API_KEY as an env list (one entry) for a client pod (the `helm test` hook), or nothing
+when no key is configured: the deployment's own spec.env entry when it sets one (that is what the
+coordinators check), else the operator's `operator.coordinatorApiKeySecret`.
+*/ -}}
+{{- define "lockstep.apiKeyEnv" -}}
+{{- $found := dict }}
+{{- range (dig "env" (list) .Values.deployment.spec) }}
+{{- if and (kindIs "map" .) (eq (toString .name) "LOCKSTEP_API_KEY") (or .value .valueFrom) }}{{ $found = . }}{{ end }}
+{{- end }}
+{{- if $found }}
+{{- toYaml (list $found) }}
+{{- else if .Values.operator.coordinatorApiKeySecret.name }}
+{{- toYaml (list (dict "name" "LOCKSTEP_API_KEY" "valueFrom" (dict "secretKeyRef" (dict "name" .Values.operator.coordinatorApiKeySecret.name "key" .Values.operator.coordinatorApiKeySecret.key)))) }}
+{{- end }}
+{{- end -}}
