@@ -16,7 +16,7 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine
 
 from lockstep.coordinator.auth import parse_api_keys  # noqa: E402
 from lockstep_operator.crd import build_crd, strict_schema  # noqa: E402
-from lockstep_operator.resource import normalize  # noqa: E402
+from lockstep_operator.resource import MAX_NAME_LENGTH, SpecError, check_name, normalize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm/lockstep"
@@ -248,6 +248,46 @@ def test_notes_tell_how_to_send_the_key() -> None:
     assert "kubectl -n ml get secret lockstep-api -o jsonpath='{.data.key}' | base64 -d" in text
     text = notes(VALUES["spec-env-api-key"])
     assert "kubectl -n ml get secret own-keys -o jsonpath='{.data.keys}' | base64 -d" in text
+
+
+NAMES = ["demo", "a" * MAX_NAME_LENGTH, "a" * (MAX_NAME_LENGTH + 1), "a" * 53, "1st", "my.app", "my-app-",
+         "-app", "My-app", "x", "a-1", "a--b"]
+
+
+def operator_accepts(name: str) -> bool:
+    try:
+        check_name(name)
+    except SpecError:
+        return False
+    return True
+
+
+def renders(values: dict, release: str) -> str | None:
+    """None if the chart renders for this release name, else Helm's error."""
+    try:
+        with helm.Chart.load(CHART) as chart:
+            chart.validate_schema(values)
+            chart.render(values, name=release, namespace="ml", is_install=True)
+    except Exception as e:  # noqa: BLE001 - Helm's template and schema errors alike
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chart_refuses_the_names_the_operator_refuses(name: str) -> None:
+    """The LockstepDeployment takes the release name unless deployment.name is set: a name the operator
+    would answer with InvalidSpec fails the install, saying to set deployment.name."""
+    assert operator_accepts("a" * MAX_NAME_LENGTH) and not operator_accepts("a" * (MAX_NAME_LENGTH + 1))
+    error = renders({}, name)
+    if operator_accepts(name):
+        assert error is None, error
+    else:
+        assert error is not None and "deployment.name" in error and repr(name)[1:-1] in error, error
+        assert renders({"deployment": {"name": "llama"}}, name) is None
+        assert renders({"deployment": {"enabled": False}}, name) is None
+    # deployment.name itself: the schema takes exactly the names the operator takes
+    error = renders({"deployment": {"name": name}}, "demo")
+    assert (error is None) == operator_accepts(name), error
 
 
 def test_chart_copies_equal_the_monitoring_sources() -> None:

@@ -5,7 +5,22 @@
 
 {{- define "lockstep.operatorName" -}}{{ include "lockstep.fullname" . }}-operator{{- end -}}
 
-{{- define "lockstep.deploymentName" -}}{{ .Values.deployment.name | default .Release.Name }}{{- end -}}
+{{- /*
+The LockstepDeployment's name: deployment.name, else the release name. The operator refuses (InvalidSpec)
+a name that is not a DNS label starting with a letter, or longer than 47 characters (its rank pods' names
+and labels are built from it): operator/lockstep_operator/resource.py, check_name and MAX_NAME_LENGTH,
+mirrored here (tests/test_chart.py checks both against it) so that such a release fails at install.
+*/ -}}
+{{- define "lockstep.deploymentName" -}}
+{{- $name := .Values.deployment.name | default .Release.Name -}}
+{{- $from := ternary "deployment.name" "the release name" (ne .Values.deployment.name "") -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "the LockstepDeployment would be named %q (%s), which the operator refuses: it must be a DNS label (lower-case letters, digits, '-') starting with a letter. Set deployment.name to such a name (--set deployment.name=...)" $name $from) -}}
+{{- else if gt (len $name) 47 -}}
+{{- fail (printf "the LockstepDeployment would be named %q (%s), which the operator refuses: it is %d characters, and at most 47 fit the names of its pods. Set deployment.name to a shorter name (--set deployment.name=...)" $name $from (len $name)) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
 
 {{- define "lockstep.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
 
