@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -294,6 +295,43 @@ def test_chart_copies_equal_the_monitoring_sources() -> None:
     for name in ("alerts.yaml", "dashboard.json"):
         assert (CHART / "files" / name).read_bytes() == (ROOT / "monitoring" / name).read_bytes(), \
             f"cp monitoring/{name} helm/lockstep/files/{name}"
+
+
+GOOD_DURATIONS = ["15s", "1m30s", "1m", "500ms", "2h", "1h30m", "1d", "1w", "1y", "1y2w3d4h5m6s7ms", "90s", "0s"]
+BAD_DURATIONS = ["", "often", "15", "30s1m", "1.5m", "1m 30s", "m", "1M", "-1s", "1ms1s", "1h1h"]
+
+
+@pytest.mark.parametrize("interval", GOOD_DURATIONS)
+def test_values_schema_takes_prometheus_durations(interval: str) -> None:
+    """Prometheus durations: units y w d h m s ms, each at most once, largest first (1m30s)."""
+    values = {"monitoring": {"serviceMonitor": {"enabled": True, "interval": interval}}}
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+    (sm,) = kinds(render(values))["ServiceMonitor"]
+    assert sm["spec"]["endpoints"][0]["interval"] == interval
+
+
+def test_every_duration_value_uses_the_duration_grammar() -> None:
+    """Each value whose default is a duration (15s) is checked by the schema's one duration definition."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    found = []
+
+    def walk(value: object, node: dict, path: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k != "resources":  # Kubernetes quantities (100m CPU), not durations
+                    walk(v, node.get("properties", {}).get(k, {}), f"{path}.{k}")
+        elif isinstance(value, str) and re.fullmatch(r"([0-9]+(y|w|d|h|m|s|ms))+", value):
+            found.append(path)
+            assert node == {"$ref": "#/definitions/duration"}, path
+    walk(yaml.safe_load((CHART / "values.yaml").read_text()), schema, "")
+    assert found == [".monitoring.serviceMonitor.interval"]
+
+
+@pytest.mark.parametrize("interval", BAD_DURATIONS)
+def test_values_schema_refuses_what_is_not_a_duration(interval: str) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="interval"):
+        chart.validate_schema({"monitoring": {"serviceMonitor": {"interval": interval}}})
 
 
 @pytest.mark.parametrize(("values", "field"), [
