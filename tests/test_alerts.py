@@ -35,7 +35,8 @@ HISTOGRAMS = {"lockstep_agreement_wait_seconds", "lockstep_time_to_first_token_s
               "lockstep_step_duration_seconds"}
 ALERTS = ["LockstepAgreementStalled", "LockstepFreePageSkewHigh", "LockstepRankDown", "LockstepGroupNotReady",
           "LockstepWaitingQueueBackingUp", "LockstepKVPoolNearlyFull", "LockstepPreemptionsHigh",
-          "LockstepPoolTotalsDiverged"]
+          "LockstepPoolTotalsDiverged", "LockstepRequestsDropped", "LockstepCoordinatorDown",
+          "LockstepCoordinatorAbsent"]
 
 promtool = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not installed (Debian package "
@@ -97,13 +98,17 @@ def test_alerts_are_complete() -> None:
         assert anchor in anchors, f"{r['alert']}: no section for #{anchor} in docs/runbook.md"
     severity = {r["alert"]: r["labels"]["severity"] for r in rules()}
     assert severity["LockstepAgreementStalled"] == severity["LockstepPoolTotalsDiverged"] == "critical"
+    # Requests lost (DESIGN.md: must stay 0), and the coordinator itself gone: without it no other alert fires.
+    assert severity["LockstepRequestsDropped"] == "critical"
+    assert severity["LockstepCoordinatorDown"] == severity["LockstepCoordinatorAbsent"] == "critical"
 
 
 def test_every_metric_in_alerts_and_dashboard_is_pinned() -> None:
     used = set()
     for expr in [r["expr"] for r in rules()] + dashboard_exprs():
         names = metric_names(expr)
-        assert names, f"no lockstep metric in {expr!r}"
+        # `up`, Prometheus' own series of each target, is what the coordinator-down rules read
+        assert names or re.search(r"\bup\{", expr), f"no lockstep metric in {expr!r}"
         used |= names
     assert used <= PINNED, f"not exported by lockstep: {sorted(used - PINNED)}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -159,9 +160,61 @@ def test_monitoring_objects() -> None:
     assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
     (rule,) = k["PrometheusRule"]
     assert rule["metadata"]["labels"]["release"] == "kps"
-    assert rule["spec"] == yaml.safe_load((ROOT / "monitoring/alerts.yaml").read_text())
+    assert rule["spec"] == chart_alerts("demo", "ml")
     k = kinds(render(VALUES["monitoring-off"]))
     assert not {"ServiceMonitor", "PrometheusRule", "ConfigMap"} & set(k)
+
+
+def chart_alerts(job: str | None, namespace: str) -> dict:
+    """monitoring/alerts.yaml as the chart ships it: LockstepCoordinatorAbsent watches the chart's own
+    LockstepDeployment (job = its coordinator Service's name = its name), or is left out without one."""
+    spec = yaml.safe_load((ROOT / "monitoring/alerts.yaml").read_text())
+    for group in spec["groups"]:
+        for r in [r for r in group["rules"] if r["alert"] == "LockstepCoordinatorAbsent"]:
+            assert r["expr"] == 'absent(up{job="lockstep"})'
+            if job is None:
+                group["rules"].remove(r)
+            else:
+                r["expr"] = f'absent(up{{namespace="{namespace}", job="{job}"}})'
+    return spec
+
+
+def test_prometheus_rule_watches_the_charts_own_coordinator(tmp_path: Path) -> None:
+    on = VALUES["monitoring-on"]["monitoring"]
+    (rule,) = kinds(render({"monitoring": on, "deployment": {"name": "llama"}}))["PrometheusRule"]
+    assert rule["spec"] == chart_alerts("llama", "ml")
+    (rule,) = kinds(render({"monitoring": on, "deployment": {"enabled": False}}))["PrometheusRule"]
+    assert rule["spec"] == chart_alerts(None, "ml")
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    (rule,) = kinds(render({"monitoring": on}))["PrometheusRule"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+    (absent,) = [r for g in rule["spec"]["groups"] for r in g["rules"] if r["alert"] == "LockstepCoordinatorAbsent"]
+    annotations = json.dumps({k: v.replace("{{ $labels.job }}", "demo") for k, v in absent["annotations"].items()})
+    # Another namespace's `demo`, or another job, is not this release's coordinator.
+    up = "'1x20'"
+    (tmp_path / "test.yaml").write_text(f"""
+rule_files: [rules.yaml]
+tests:
+  - interval: 1m
+    input_series:
+      - {{series: 'up{{namespace="other",job="demo"}}', values: {up}}}
+      - {{series: 'up{{namespace="ml",job="lockstep"}}', values: {up}}}
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: LockstepCoordinatorAbsent
+        exp_alerts: [{{exp_labels: {{severity: critical, namespace: ml, job: demo}}, exp_annotations: {annotations}}}]
+  - interval: 1m
+    input_series:
+      - {{series: 'up{{namespace="ml",job="demo",instance="a"}}', values: {up}}}
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: LockstepCoordinatorAbsent
+        exp_alerts: []
+""")
+    out = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_rbac_is_least_privilege() -> None:
