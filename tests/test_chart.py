@@ -217,6 +217,43 @@ tests:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+# Exactly the verbs the operator uses, per (API group, resource). From its own calls (kube.py's Kube, as
+# handlers.py and observe.py use it): apply = get + create + patch; plus what kopf does for it (watch the
+# LockstepDeployments and rank pods, patch finalizers/annotations and the status, post events; peering is
+# off: standalone). A new call without a grant, or a grant nobody uses, fails here.
+OPERATOR_GRANTS = {
+    ("lockstep.dev", "lockstepdeployments"): {"get", "list", "watch", "patch"},
+    ("lockstep.dev", "lockstepdeployments/status"): {"patch"},
+    # kopf.adopt sets blockOwnerDeletion: true on every child, which OwnerReferencesPermissionEnforcement
+    # (OpenShift, hardened clusters) allows only with update on the owner's finalizers.
+    ("lockstep.dev", "lockstepdeployments/finalizers"): {"update"},
+    ("apps", "statefulsets"): {"get", "list", "create", "patch", "delete"},  # applied, listed, removed
+    ("apps", "deployments"): {"get", "create", "patch"},  # the coordinator: applied; collected with its owner
+    ("", "services"): {"get", "create", "patch", "delete"},  # applied; a removed group's deleted
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch"},  # the coordinator's group list: applied
+    ("", "pods"): {"list", "watch", "delete"},  # rank pods: watched (kopf), listed, deleted to roll/recreate
+    ("", "events"): {"create"},
+    ("", "secrets"): {"create"},  # the group token: created, never read
+}
+
+
+@pytest.mark.parametrize("key", ["default", "tp4-pvc-namespaced"])
+def test_rbac_grants_exactly_what_the_operator_calls(key: str) -> None:
+    k = kinds(render(VALUES[key]))
+    (role,) = k.get("ClusterRole", []) + k.get("Role", [])
+    grants: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, no nonResourceURLs
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                grants.setdefault((g, r), set()).update(rule["verbs"])
+    assert grants == OPERATOR_GRANTS
+    # every kind the operator's client speaks has its grants
+    from lockstep_operator.kube import PATHS
+    assert {plural for _, plural in PATHS.values()} <= {r for _, r in grants}
+
+
 def test_rbac_is_least_privilege() -> None:
     (role,) = kinds(render({}))["ClusterRole"]
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
