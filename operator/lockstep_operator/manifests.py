@@ -24,80 +24,39 @@ import json
 import math
 from typing import Any
 
-from lockstep_operator.crd import GROUP
-
-RANK_GRPC_PORT = 50051
-RANK_STORE_PORT = 29500
-RANK_HEALTH_PORT = 50052  # plaintext grpc.health.v1 only, for the probes, when the gRPC port speaks TLS
-MODEL_MOUNT = "/models"
-CACHE_MOUNT = "/cache"
-GROUP_TOKEN_KEY = "token"
-GROUP_TOKEN_VOLUME = "group-token"
-GROUP_TOKEN_MOUNT = "/var/run/lockstep/group-token"
-TLS_VOLUME = "rank-tls"
-GROUPS_KEY = "groups"
-GROUPS_VOLUME = "groups"
-# A directory mount (never subPath, which the kubelet does not update): the file changes in place.
-GROUPS_MOUNT = "/etc/lockstep/groups"
-TLS_MOUNT = "/var/run/lockstep/tls"
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_GROUP = f"{GROUP}/group"
-# On a group's StatefulSet, Service and NetworkPolicy (not its pods: the label would change the template
-# hash and roll every group): which group this is, so the operator never parses it out of a name.
-LABEL_GROUP_INDEX = f"{GROUP}/group-index"
-ANNOTATION_HASH = f"{GROUP}/template-hash"
+from lockstep_operator.names import (  # noqa: F401 - the builders' callers read these names here too
+    ANNOTATION_HASH,
+    CACHE_MOUNT,
+    GROUP_TOKEN_KEY,
+    GROUP_TOKEN_MOUNT,
+    GROUP_TOKEN_VOLUME,
+    GROUPS_KEY,
+    GROUPS_MOUNT,
+    GROUPS_VOLUME,
+    LABEL_COMPONENT,
+    LABEL_GROUP,
+    LABEL_GROUP_INDEX,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MODEL_MOUNT,
+    RANK_GRPC_PORT,
+    RANK_HEALTH_PORT,
+    RANK_STORE_PORT,
+    TLS_MOUNT,
+    TLS_VOLUME,
+    coordinator_name,
+    group_labels,
+    group_name,
+    group_token_secret_name,
+    groups_configmap_name,
+    labels,
+    rank_host,
+    rank_selector_string,
+    selector,
+)
 
 Manifest = dict[str, Any]
-
-
-def group_name(name: str, index: int) -> str:
-    """StatefulSet and headless Service of group `index` (pinned in DESIGN.md)."""
-    return f"{name}-g{index}"
-
-
-def coordinator_name(name: str) -> str:
-    return f"{name}-coordinator"
-
-
-def group_token_secret_name(name: str) -> str:
-    """The Secret holding the group token that the deployment's ranks and coordinator share."""
-    return f"{name}-group-token"
-
-
-def selector(name: str, component: str, group: str | None = None) -> dict[str, str]:
-    labels = {LABEL_NAME: "lockstep", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
-    if group is not None:
-        labels[LABEL_GROUP] = group
-    return labels
-
-
-def _labels(name: str, component: str, group: str | None = None) -> dict[str, str]:
-    return selector(name, component, group) | {LABEL_MANAGED_BY: "lockstep-operator"}
-
-
-def group_labels(name: str, index: int) -> dict[str, str]:
-    """Labels of a group's StatefulSet, Service and NetworkPolicy; they carry the group's index."""
-    return _labels(name, "rank", group_name(name, index)) | {LABEL_GROUP_INDEX: str(index)}
-
-
-def rank_selector_string(name: str) -> str:
-    """The label selector of every rank pod of a deployment (the scale subresource's selector)."""
-    return ",".join(f"{k}={v}" for k, v in selector(name, "rank").items())
-
-
-def rank_host(name: str, namespace: str, index: int, rank: int, cluster_domain: str) -> str:
-    """The stable DNS name of one rank pod, through its group's headless Service."""
-    g = group_name(name, index)
-    return f"{g}-{rank}.{g}.{namespace}.svc.{cluster_domain}"
-
-
-def groups_configmap_name(name: str) -> str:
-    """The ConfigMap holding the coordinator's group list."""
-    return f"{name}-groups"
 
 
 def groups_file(name: str, namespace: str, spec: dict[str, Any]) -> str:
@@ -116,7 +75,7 @@ def groups_configmap(name: str, namespace: str, spec: dict[str, Any]) -> Manifes
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": groups_configmap_name(name), "namespace": namespace,
-                     "labels": _labels(name, "coordinator")},
+                     "labels": labels(name, "coordinator")},
         "data": {GROUPS_KEY: groups_file(name, namespace, spec)},
     }
 
@@ -215,7 +174,7 @@ def group_token_secret(name: str, namespace: str, token: str) -> Manifest:
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": group_token_secret_name(name), "namespace": namespace,
-                     "labels": _labels(name, "group-token")},
+                     "labels": labels(name, "group-token")},
         "type": "Opaque",
         "immutable": True,
         "data": {GROUP_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
@@ -282,7 +241,7 @@ def rank_pod_template(name: str, namespace: str, spec: dict[str, Any], index: in
         "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()[1]] + tls_mounts,
     }
     template: Manifest = {
-        "metadata": {"labels": _labels(name, "rank", g)},
+        "metadata": {"labels": labels(name, "rank", g)},
         "spec": {
             "containers": [container],
             "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, _token_volume(name)]
@@ -390,13 +349,13 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": coordinator_name(name), "namespace": namespace,
-                     "labels": _labels(name, "coordinator")},
+                     "labels": labels(name, "coordinator")},
         "spec": {
             "replicas": 1,
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector(name, "coordinator")},
             "template": {
-                "metadata": {"labels": _labels(name, "coordinator")},
+                "metadata": {"labels": labels(name, "coordinator")},
                 "spec": {"containers": [container], "enableServiceLinks": False,
                          "terminationGracePeriodSeconds": coordinator_stop_seconds(spec),
                          "volumes": volumes + [_token_volume(name), _groups_volume(name)] + tls_volumes} | pod_extras,
@@ -430,7 +389,7 @@ def coordinator_service(name: str, namespace: str, spec: dict[str, Any]) -> Mani
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": _labels(name, "coordinator")},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name, "coordinator")},
         "spec": {
             "type": coord["serviceType"],
             "selector": selector(name, "coordinator"),
