@@ -147,3 +147,15 @@ def test_a_long_prompt_is_admitted_in_a_chunk_its_window_pool_can_hold():
     decision = control.consider(40, 0)
     assert decision.admit and decision.num_tokens == 16  # 4 sliding pages, not the 10 of a whole prompt
     assert control.held(40) == {"full": 10, "sliding": 2}
+
+
+def test_a_fence_left_by_an_earlier_coordinator_is_lifted_by_release_all():
+    """A fence is the rebalance decision of one coordinator's Rebalancer; a group that comes back (a new scheduler
+    and Rebalancer, fence unknown) first sends release_all, which must lift it too. Otherwise the pages above it
+    were never handed out again, with no rebalance coming to lift it (the split already matched the target)."""
+    cache = make(full=32, sliding=8)
+    run(cache, Plan(1, pool_fence=(("full", 12),)))
+    _, pools = run(cache, Plan(2))
+    assert pools["full"].fenced == 20 and cache.pools["full"].fence == 12
+    _, pools = run(cache, Plan(3, release_all=True))
+    assert pools["full"].fenced == 0 and pools["full"].free == 32 and cache.pools["full"].fence == 32

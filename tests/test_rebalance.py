@@ -205,3 +205,37 @@ def test_random_rebalances_over_divergent_ranks_never_refuse(seed: int, ranks: l
                                                             overlap: bool):
     drive(seed, ranks, RebalancePolicy(interval_steps=every, cooldown_s=0.0, min_samples=2, threshold=1.05), n=40,
           overlap=overlap)
+
+
+def test_a_budget_too_small_for_the_models_context_moves_to_the_workload_not_to_one_requests_window():
+    """When no split holds one request of the model's whole context alone, the floors are the longest request
+    sampled: the split follows the workload ({full 110, sliding 17} here) instead of growing the full pool to all
+    it can take and leaving the sliding pool one request's window (3 pages: requests then ran one at a time)."""
+    cost = {"full": 1, "sliding": 2}
+    rb = Rebalancer(RebalancePolicy(interval_steps=1, cooldown_s=0, min_samples=4, threshold=1.05), 4, 8, cost,
+                    max_model_len=1024)  # its context alone needs 256 full pages; the budget is 144 units
+    for _ in range(4):
+        rb.sample(80)  # 20 full pages, 3 sliding
+    reports = [Report(10, r, pools=(PoolState("full", 48, 48, 0, 0, movable=48),
+                                    PoolState("sliding", 48, 48, 0, 0, movable=48))) for r in range(3)]
+    assert rb.decide(10, 0.0, reports) == Move(split={"full": 110, "sliding": 17})
+    roomy = Rebalancer(RebalancePolicy(interval_steps=1, cooldown_s=0, min_samples=4, threshold=1.05), 4, 8, cost,
+                       max_model_len=64)  # its context fits: the model's floors hold (16 full pages, 3 sliding)
+    for _ in range(4):
+        roomy.sample(80)
+    assert roomy.decide(10, 0.0, reports) == Move(split={"full": 110, "sliding": 17})
+
+
+@pytest.mark.parametrize("sizes", [(40, 20, 20), (20, 40, 20), (20, 20, 40)])
+def test_the_decision_is_the_same_whichever_rank_holds_the_larger_pools(sizes):
+    """Before the first split the ranks' pools may differ (--rank-kv-pages). The decision reads every rank, never
+    rank 0 as if it stood for all: the same ranks in another order get the same move, toward the split that the
+    smallest rank (which limits admission) needs."""
+    cost = {"full": 1, "sliding": 2}
+    rb = Rebalancer(RebalancePolicy(interval_steps=1, cooldown_s=0, min_samples=4, threshold=1.05), 4, 8, cost, 64)
+    for _ in range(4):
+        rb.sample(24)  # 6 full pages, 3 sliding: the pools should run 2:1
+    reports = [Report(10, r, pools=(PoolState("full", n, n, 0, 0, movable=n), PoolState("sliding", n, n, 0, 0,
+                                                                                         movable=n)))
+               for r, n in enumerate(sizes)]
+    assert rb.decide(10, 0.0, reports) == Move(split={"full": 30, "sliding": 15})

@@ -23,6 +23,7 @@ from typing import NamedTuple
 from lockstep.coordinator.events import Event
 from lockstep.coordinator.group_ranks import RECONNECT_S, GroupDown, GroupRanks
 from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.rebalance import current_split
 from lockstep.coordinator.request import Request
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.paging import POOL_FULL, pages_for
@@ -315,7 +316,7 @@ class GroupRunner:
     def _observe_rebalance(self, plan: Plan, reports: list[Report], wait_s: float) -> None:
         """A rebalance step: its agreement wait, and the split moved (on /metrics and in the log) or refused."""
         self.metrics.agreement_wait.labels(self.name, "rebalance").observe(wait_s)
-        before = {p.pool: p.total for p in self.last_reports[0].pools} if self.last_reports else {}
+        before = current_split(self.last_reports)
         after = dict(plan.pool_split)
         if any(r.error for r in reports):
             log.error("group %s: rebalance %s refused at step %d; it is not sent again", self.name,
@@ -326,6 +327,9 @@ class GroupRunner:
                      "before a rebalance", self.name, dict(plan.pool_fence), plan.step)
             return
         reason = self.scheduler.rebalancer.reason if self.scheduler.rebalancer is not None else ""
+        ranks = {r.rank: {p.pool: p.total for p in r.pools} for r in self.last_reports}
+        if any(totals != before for totals in ranks.values()):  # before the first split: --rank-kv-pages
+            reason += "; the ranks' pools differed before it: " + ", ".join(f"rank {r} {t}" for r, t in ranks.items())
         self.metrics.observe_rebalance(self.name, before, after, reason)
 
     def _apply(self, reports: list[Report]) -> None:

@@ -82,16 +82,27 @@ def clamp(target: Split, reports: Sequence[Report], cost: Mapping[str, int], min
     the pages that rank says it can give up (`movable`: the top of the pool that no live request holds).
     """
     pools = [{p.pool: p for p in r.pools} for r in reports]
-    base = pools[0]
+    base = current_split(reports)
     shrink = _shrinking(target, reports)
     grow = POOL_SLIDING if shrink == POOL_FULL else POOL_FULL
     size = max(target[shrink], _lowest(reports, shrink))
     split = {shrink: size, grow: (_budget(reports, cost) - size * cost[shrink]) // cost[grow]}
     if any(ps[p].total - split[p] > ps[p].movable for ps in pools for p in split):
         return None  # some rank would have to give up pages a live request holds
-    if base[shrink].total - size < max(1, min_move * base[shrink].total) or split[grow] <= base[grow].total:
+    if base[shrink] - size < max(1, min_move * base[shrink]) or split[grow] <= base[grow]:
         return None  # too small to matter, or the pages given up do not make one page of the other pool
     return split
+
+
+def current_split(reports: Sequence[Report]) -> Split:
+    """Each pool's total on the rank where it is smallest: what admission can count on everywhere. Equal on every
+    rank after a split; before the first one the ranks may differ (--rank-kv-pages), and no one rank stands for
+    the others."""
+    out: Split = {}
+    for r in reports:
+        for q in r.pools:
+            out[q.pool] = min(out.get(q.pool, q.total), q.total)
+    return out
 
 
 class Rebalancer:
@@ -105,7 +116,7 @@ class Rebalancer:
         self.page_size = page_size
         self.window = window
         self.cost = dict(cost)
-        # never shrink below what one request of the model's whole context needs alone
+        # never shrink below what one request of the model's whole context needs alone (where a split can hold it)
         self.floors = request_pages(max_model_len, page_size, window)
         self.uses: deque[Split] = deque(maxlen=max(1, policy.min_samples))  # the most recent: the workload now
         self.last_time: float | None = None
@@ -140,9 +151,9 @@ class Rebalancer:
             return None
         if len(self.uses) < max(1, p.min_samples):
             return None
-        target = target_split(self.uses, _budget(reports, self.cost), self.cost, self.floors)
-        current = {q.pool: q.total for q in reports[0].pools}
-        if off_by(current, target) <= p.threshold:
+        budget = _budget(reports, self.cost)
+        target = target_split(self.uses, budget, self.cost, self._floors(budget))
+        if off_by(current_split(reports), target) <= p.threshold:
             return None
         self.reason = (f"{len(self.uses)} finished requests held {_mean(self.uses, POOL_FULL):.1f} full and "
                        f"{_mean(self.uses, POOL_SLIDING):.1f} sliding pages on average; target {target}")
@@ -154,6 +165,15 @@ class Rebalancer:
         if split is None or tuple(sorted(split.items())) in self.refused:
             return None
         return Move(split=split)
+
+    def _floors(self, budget: int) -> Split:
+        """The model's floors (one request of its whole context, alone) where the budget holds both; else the longest
+        request sampled, so that every request like those seen still fits. Held to the model's floors, a budget that
+        cannot hold them went to the full pool whole, the sliding pool kept one request's window, and requests
+        ran one at a time."""
+        if sum(self.floors[p] * self.cost[p] for p in self.floors) <= budget:
+            return self.floors
+        return {p: min(self.floors[p], max(u[p] for u in self.uses)) for p in self.floors}
 
     def _after_fence(self, reports: Sequence[Report]) -> Move | None:
         """The split once the fenced pages drained; after too many checks, what can move then."""
@@ -190,9 +210,8 @@ def _budget(reports: Sequence[Report], cost: Mapping[str, int]) -> int:
 
 
 def _shrinking(target: Split, reports: Sequence[Report]) -> str:
-    """The pool the target takes pages from (rank 0's totals: after a rebalance every rank's are equal)."""
-    full = next(q.total for q in reports[0].pools if q.pool == POOL_FULL)
-    return POOL_FULL if target[POOL_FULL] < full else POOL_SLIDING
+    """The pool the target takes pages from."""
+    return POOL_FULL if target[POOL_FULL] < current_split(reports)[POOL_FULL] else POOL_SLIDING
 
 
 def _lowest(reports: Sequence[Report], pool: str) -> int:

@@ -294,6 +294,9 @@ class RankCache:
         releases = [*self.pool.owners(), *self._seqs] if plan.release_all else plan.releases
         for request_id in releases:
             self._drop(request_id)
+        if plan.release_all:  # a fence is the last coordinator's rebalance, which the new one does not know of
+            for pool in self.pools.values():
+                pool.set_fence(pool.num_pages)
 
     def _admit(self, admit: Admit) -> None:
         request_id, keys = admit.request_id, admit.prefix_keys
