@@ -222,7 +222,8 @@ tests:
 # LockstepDeployments and rank pods, patch finalizers/annotations and the status, post events; peering is
 # off: standalone). A new call without a grant, or a grant nobody uses, fails here.
 OPERATOR_GRANTS = {
-    ("lockstep.dev", "lockstepdeployments"): {"get", "list", "watch", "patch"},
+    # and the chart's pre-delete hook, under the same ServiceAccount, deletes the chart's own (uninstall.py)
+    ("lockstep.dev", "lockstepdeployments"): {"get", "list", "watch", "patch", "delete"},
     ("lockstep.dev", "lockstepdeployments/status"): {"patch"},
     # kopf.adopt sets blockOwnerDeletion: true on every child, which OwnerReferencesPermissionEnforcement
     # (OpenShift, hardened clusters) allows only with update on the owner's finalizers.
@@ -267,6 +268,26 @@ def test_rbac_is_least_privilege() -> None:
     # The group token Secrets are created, never read: no get, list, watch, patch or delete of secrets.
     assert {v for _, r, v in grants if r == "secrets"} == {"create"}
     assert not any(r == "pods" and v in ("create", "patch") for _, r, v in grants)
+
+
+@pytest.mark.parametrize("key", ["default", "tp4-pvc-namespaced"])
+def test_uninstall_deletes_the_deployment_first_while_the_operator_runs(key: str) -> None:
+    """Helm deletes a LockstepDeployment (a kind it does not know) after the operator: a pre-delete hook, run under
+    the operator's ServiceAccount, deletes the chart's own first and waits for it (lockstep_operator.uninstall)."""
+    k = kinds(render(VALUES[key]))
+    (job,) = k["Job"]
+    (cr,) = k["LockstepDeployment"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "lockstep_operator.uninstall"]
+    assert c["args"] == [cr["metadata"]["name"], f"--namespace={cr['metadata']['namespace']}", "--timeout=300"]
+    assert c["image"] == cr["spec"]["image"] and pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == k["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert job["spec"]["activeDeadlineSeconds"] > 300
+    from lockstep_operator import uninstall
+    assert uninstall.main.__module__ == "lockstep_operator.uninstall"  # the module the hook runs
+    assert "Job" not in kinds(render(VALUES["no-deployment"])), "no deployment of the chart's own: no hook"
 
 
 def test_operator_gets_the_coordinators_api_key_for_drains_without_reading_secrets() -> None:

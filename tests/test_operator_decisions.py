@@ -527,3 +527,20 @@ def test_an_object_the_api_server_refuses_is_a_degraded_deployment_that_says_why
         handlers.reconcile(body=kopf.Body(cr), name="demo", namespace="ml", logger=logging.getLogger("test"),
                            memo=kopf.Memo(lockstep=OperatorMemory(kube=kube)))
     assert "status" not in kube.get("LockstepDeployment", "ml", "demo")
+
+
+def test_the_uninstall_hook_gives_up_when_no_operator_lets_the_deployment_go() -> None:
+    """Without an operator the finalizer stays: the hook fails after its timeout (helm uninstall says so) instead of
+    waiting for ever."""
+    from lockstep_operator.uninstall import delete_and_wait
+
+    class Finalized(MemoryKube):
+        def delete(self, kind: str, namespace: str, name: str) -> bool:
+            self.objects[(kind, name)]["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"
+            return True
+
+    kube = Finalized([{"kind": "LockstepDeployment", "metadata": {"name": "demo", "finalizers": ["x"]}}])
+    now = [0.0]
+    assert not delete_and_wait(kube, "ml", "demo", 5.0, clock=lambda: now[0],
+                               sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert now[0] == 5.0 and kube.get("LockstepDeployment", "ml", "demo")["metadata"]["deletionTimestamp"]

@@ -341,3 +341,19 @@ def test_a_field_taken_out_of_the_spec_leaves_the_cluster() -> None:
 
         await until(settled)
     run(scenario)
+
+
+def test_the_uninstall_hook_deletes_the_deployment_while_the_operator_runs_and_waits_until_it_is_gone() -> None:
+    """`helm uninstall` deletes the operator before the LockstepDeployment (Helm deletes the kinds it does not know
+    last), which then waits on the operator's finalizer for ever; the chart's pre-delete hook
+    (`lockstep_operator.uninstall`) deletes it first and returns once the operator has let it go."""
+    from lockstep_operator.uninstall import delete_and_wait
+
+    async def scenario(kube: Kube, k: kmock.KubernetesEmulator) -> None:
+        await asyncio.to_thread(kube.create, cr({"tensorParallelSize": 1, "groups": 1}))
+        await until(lambda: kube.get("StatefulSet", NS, "demo-g0"))
+        await until(lambda: kube.get("LockstepDeployment", NS, "demo")["metadata"].get("finalizers"))
+        assert await asyncio.to_thread(delete_and_wait, kube, NS, "demo", 20.0, 0.1)
+        assert await asyncio.to_thread(kube.get, "LockstepDeployment", NS, "demo") is None
+        assert await asyncio.to_thread(delete_and_wait, kube, NS, "demo", 1.0, 0.1)  # gone already: done
+    run(scenario)
