@@ -98,6 +98,7 @@ class TickingCoordinator:
     def __init__(self) -> None:
         self.live: dict[str, list] = {}
         self.ended: list[tuple[str, bool]] = []
+        self.stopped: list[str] = []  # ended by their frontend at a stop string
         self.refuse: ApiError | None = None
         self.up = True
         self.ticks = 0
@@ -107,8 +108,9 @@ class TickingCoordinator:
             raise self.refuse
         self.live[request_id] = [queue, spec.max_tokens, 0]
 
-    def _end(self, request_id: str, finished: bool) -> None:
+    def _end(self, request_id: str, finished: bool, stopped: bool = False) -> None:
         self.ended.append((request_id, finished))
+        self.stopped += [request_id] if stopped else []
         self.live.pop(request_id, None)
 
     def tick(self) -> None:
@@ -246,6 +248,31 @@ def test_a_client_gone_mid_stream_aborts_its_request_on_the_coordinator(tmp_path
             assert not next(iter(servicer.links.values())).requests
 
     asyncio.run(main())
+
+
+def test_a_request_its_frontend_ends_at_a_stop_string_is_aborted_as_a_finished_one(tmp_path):
+    """The frontend finds the stop string; its Cancel says so, so that the coordinator counts the request as finished
+    (duration, prompt tokens) while it aborts it. A client gone says nothing of the kind."""
+    coord = TickingCoordinator()
+
+    async def main() -> None:
+        async with _linked(tmp_path, coord) as (servicer, remote, _, session, url, _):
+            status, body = await _post_json(session, url, {"prompt": [1, 2], "max_tokens": 50, "stop": ["HelloHello"]})
+            assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+            await _eventually(lambda: len(coord.ended) == 1)
+            assert coord.ended[0][1] is False and coord.stopped == [coord.ended[0][0]]
+            async with session.post(url + "/v1/completions", json=_stream_body(10_000)) as resp:
+                await resp.content.readline()
+                resp.close()  # hang up
+            await _eventually(lambda: len(coord.ended) == 2)
+            assert len(coord.stopped) == 1
+
+    asyncio.run(main())
+
+
+async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        return resp.status, await resp.json()
 
 
 def test_a_request_cancelled_while_it_is_submitted_is_aborted_once_it_is_queued(tmp_path, monkeypatch):

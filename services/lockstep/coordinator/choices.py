@@ -20,9 +20,9 @@ from lockstep.coordinator.generation import (
     GenerateSpec,
     TextPiece,
     TokenEvent,
-    settled,
     text_stream,
 )
+from lockstep.coordinator.request_events import settled
 
 
 def choice_specs(spec: GenerateSpec) -> list[GenerateSpec]:

@@ -108,10 +108,10 @@ class Link:
         if self.on_wedged is not None:
             self.on_wedged(self)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, stopped: bool = False) -> None:
         if request_id in self.requests:
             self.requests.discard(request_id)
-            self.coordinator._end(request_id, finished=False)
+            self.coordinator._end(request_id, finished=False, stopped=stopped)
 
     def close(self) -> None:
         """The frontend is gone: every request it has not seen end is aborted, its pages freed."""
@@ -172,7 +172,7 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
     async def Cancel(self, request: fpb.CancelMsg, context: grpc.aio.ServicerContext) -> fpb.Empty:
         link = self.links.get(request.link_id)
         if link is not None:
-            link.cancel(request.request_id)
+            link.cancel(request.request_id, request.stopped)
         return fpb.Empty()
 
     async def Beat(self, request: fpb.LinkHello, context: grpc.aio.ServicerContext) -> fpb.Empty:

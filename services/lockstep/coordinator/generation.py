@@ -9,20 +9,17 @@ and every rule here is tested without a server.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
-from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 from lockstep.coordinator.endings import StopReason, prompt_only, stop_after, stop_reason
 from lockstep.coordinator.request import FinishReason
 from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
-
-T = TypeVar("T")
 
 # The documented range of every request field (docs/commands.md and /openapi.json quote these).
 MAX_STOP_STRINGS = 4
@@ -122,11 +119,6 @@ class Frontend(ServedModel, Protocol):
         """Route to the group again (KeyError: no such group)."""
 
 
-async def settled(answer: T | Awaitable[T]) -> T:
-    """A frontend's answer: as it is in process, awaited when it comes over the link."""
-    return await answer if inspect.isawaitable(answer) else answer
-
-
 # ----- request fields
 
 
@@ -183,7 +175,7 @@ class SamplingFields:
             max_tokens = json_field(body, "max_completion_tokens", (int,))
         stop = json_field(body, "stop", (str, list), [])
         stop_ids = json_field(body, "stop_token_ids", (list,), [])
-        if not all(_is_integer(t) for t in stop_ids):
+        if not all(is_json_integer(t) for t in stop_ids):
             raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
         return cls(temperature, top_p, top_k, seed, n, max_tokens, [stop] if isinstance(stop, str) else stop,
                    json_field(body, "ignore_eos", (bool,)), [int(t) for t in stop_ids],
@@ -208,7 +200,7 @@ def _logit_bias_json(body: Mapping[str, Any]) -> dict[int, float] | None:
     return out
 
 
-def _is_integer(value: object) -> bool:
+def is_json_integer(value: object) -> bool:
     """A JSON integer (8.0 included, as JSON Schema reads it; true is not one)."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
@@ -397,7 +389,7 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     # `count`: tokens out; `guard`: where the text of the min_tokens-th ends (see stop_after)
     text, sent, ids, lps, count, guard, last = "", 0, [], [], 0, 0, None
     prompt_lps = None  # the prompt's logprobs, until a piece carries them
-    events = prompt_only(events) if spec.echo_only else events
+    source, events = events, prompt_only(events) if spec.echo_only else events
     async with aclosing(events):
         async for ev in events:
             _raise_error(ev)
@@ -418,6 +410,7 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
                                     guard)
             if cut is not None:
                 text, reason = text[:cut[0]], FinishReason.STOP
+                _stopped_early(source, ev)
             if reason is not None:
                 yield TextPiece(text[sent:], ids, reason, ev.cached_tokens, lps or (), prompt_lps,
                                 stop_reason(tokenizer, spec, reason, cut, last))
@@ -426,6 +419,13 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
             if safe > sent:  # the prompt's logprobs go out with the first piece
                 yield TextPiece(text[sent:safe], ids, None, ev.cached_tokens, lps or (), prompt_lps)
                 sent, ids, lps, prompt_lps = safe, [], [], None
+
+
+def _stopped_early(events: object, ev: TokenEvent) -> None:
+    """A stop string ended the text early: closing its events (RequestEvents) aborts it, as a finished request."""
+    mark = getattr(events, "stopped", None)
+    if ev.finish_reason is None and mark is not None:
+        mark()
 
 
 def _raise_error(ev: TokenEvent) -> None:

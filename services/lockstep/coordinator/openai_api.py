@@ -24,8 +24,8 @@ from lockstep.coordinator.generation import (
     SamplingFields,
     build_spec,
     check_model,
+    is_json_integer,
     json_field,
-    settled,
 )
 from lockstep.coordinator.openai_fields import (
     MAX_BODY_BYTES,
@@ -38,6 +38,7 @@ from lockstep.coordinator.openai_fields import (
 )
 from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
+from lockstep.coordinator.request_events import settled
 
 log = logging.getLogger("lockstep.api")
 SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordinator is told to stop
@@ -128,7 +129,7 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = self.frontend.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(_is_integer(t) for t in prompt):
+        elif isinstance(prompt, list) and all(is_json_integer(t) for t in prompt):
             prompt_ids = [int(t) for t in prompt]
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
@@ -172,7 +173,7 @@ class OpenAIServer:
         """POST /detokenize (vLLM's): token ids to their text, special tokens kept, so it inverts /tokenize."""
         body = await self._json(request, "detokenize")
         tokens = json_field(body, "tokens", (list,))
-        if tokens is None or not all(_is_integer(t) for t in tokens):
+        if tokens is None or not all(is_json_integer(t) for t in tokens):
             raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
         try:
             text = self.frontend.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
@@ -274,11 +275,6 @@ def _group_query(request: web.Request) -> str:
 def _token_ids(body: dict) -> bool:
     """vLLM's return_token_ids: prompt_token_ids and choices[].token_ids in the answer."""
     return json_field(body, "return_token_ids", (bool,), False)
-
-
-def _is_integer(value: object) -> bool:
-    """A JSON integer (8.0 included, as JSON Schema reads it; true is not one)."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 def _query_int(request: web.Request, name: str, minimum: int) -> int | None:

@@ -107,24 +107,24 @@ class RemoteCoordinator:
             raise error_of(answer)
         return RequestEvents(self, request_id, box)
 
-    def _end(self, request_id: str, finished: bool) -> None:
+    def _end(self, request_id: str, finished: bool, stopped: bool = False) -> None:
         """A request's events are over (RequestEvents): forget it, and abort it on the coordinator unless it ended
         (or the link already ended it: its box is gone)."""
         if self.boxes.pop(request_id, None) is not None and not finished:
-            self._send_cancel(request_id)
+            self._send_cancel(request_id, stopped)
 
     def _cancel_if_queued(self, request_id: str, submitted: asyncio.Future) -> None:
         if not submitted.cancelled() and submitted.exception() is None and submitted.result().ok:
             self._send_cancel(request_id)
 
-    def _send_cancel(self, request_id: str) -> None:
-        task = asyncio.ensure_future(self._cancel(request_id))
+    def _send_cancel(self, request_id: str, stopped: bool = False) -> None:
+        task = asyncio.ensure_future(self._cancel(request_id, stopped))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _cancel(self, request_id: str) -> None:
+    async def _cancel(self, request_id: str, stopped: bool = False) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.stub.Cancel(fpb.CancelMsg(link_id=self.link_id, request_id=request_id))
+            await self.stub.Cancel(fpb.CancelMsg(link_id=self.link_id, request_id=request_id, stopped=stopped))
 
     def healthy(self) -> bool:
         """As of the last health_detail (the HTTP app asks that first)."""

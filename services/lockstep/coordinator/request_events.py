@@ -7,10 +7,19 @@ handler in the coordinator's process reads through `RequestEvents`, or a fronten
 
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
 
 from lockstep.coordinator.generation import TokenEvent
 from lockstep.coordinator.outbox import Outbox
+
+T = TypeVar("T")
+
+
+async def settled(answer: T | Awaitable[T]) -> T:
+    """A frontend's answer: as it is in process, awaited when it comes over the link."""
+    return await answer if inspect.isawaitable(answer) else answer
 
 
 class EventSink(Protocol):
@@ -22,7 +31,7 @@ class EventSink(Protocol):
 class Ending(Protocol):
     """Whoever holds the request (the coordinator, or an API frontend's link to it), as its reader ends it."""
 
-    def _end(self, request_id: str, finished: bool) -> None: ...
+    def _end(self, request_id: str, finished: bool, stopped: bool = False) -> None: ...
 
 
 class RequestEvents:
@@ -35,6 +44,7 @@ class RequestEvents:
         self._request_id = request_id
         self._queue = queue
         self._done = False
+        self._stopped = False
 
     def __aiter__(self) -> RequestEvents:
         return self
@@ -52,7 +62,12 @@ class RequestEvents:
             self._coordinator._end(self._request_id, finished=True)
         return ev
 
+    def stopped(self) -> None:
+        """The reader ends the request at a stop string: closing it still aborts it (its group would generate on),
+        but it counts as finished, not as a client gone."""
+        self._stopped = True
+
     async def aclose(self) -> None:
         if not self._done:
             self._done = True
-            self._coordinator._end(self._request_id, finished=False)
+            self._coordinator._end(self._request_id, finished=False, stopped=self._stopped)

@@ -254,9 +254,13 @@ class Coordinator:
             for req in reqs:
                 self._unpark(req.request_id)
                 live = self.live[req.request_id]
-                log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id, live.group,
-                            name, len(req.generated))
-                self.metrics.requests_migrated.labels(live.group).inc()
+                if live.group != name:  # a group back up that takes its own requests again moved none
+                    log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id,
+                                live.group, name, len(req.generated))
+                    self.metrics.requests_migrated.labels(live.group).inc()
+                else:
+                    log.info("request %s goes on in group %s, back up, after %d token(s)", req.request_id, name,
+                             len(req.generated))
                 self.metrics.routing_decisions.labels(name, "replay").inc()
                 live.group = name
                 live.expected_hit_tokens = 0  # routing expected nothing of this group: no expectation to settle
@@ -361,13 +365,20 @@ class Coordinator:
         self.metrics.routing_decisions.labels(group.name, route.reason).inc()
         self.router.record(keys, group.name)
 
-    def _end(self, request_id: str, finished: bool) -> None:
-        """The client's side of a request is over: forget it, and abort it unless it finished."""
+    def _end(self, request_id: str, finished: bool, stopped: bool = False) -> None:
+        """The client's side of a request is over: forget it, and abort it unless it finished. `stopped`: its
+        reader ended it at a stop string, so it finished (and is counted so) though its group would go on."""
         live = self.live.pop(request_id, None)
         self._unpark(request_id)  # no group is to take it up any more: no record of it stays
         runner = self.groups.get(live.group) if live is not None else None
         if not finished and runner is not None:
             runner.abort(request_id)
+        if stopped and live is not None:
+            self._observe_finished(live.group, live, time.monotonic())
+
+    def _observe_finished(self, group: str, live: _Live, now: float) -> None:
+        self.metrics.request_duration.labels(group).observe(now - live.arrived)
+        self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
 
     def end_streams(self, reason: str) -> None:
         """End every open stream now with an error event and abort its request (a shutdown past its grace)."""
@@ -400,8 +411,7 @@ class Coordinator:
                     live.queue.put(TokenEvent(None, None, cached, error=ev.error, status=503 if ev.retriable else 400))
                 else:
                     live.queue.put(TokenEvent(None, ev.finish_reason, cached))
-                self.metrics.request_duration.labels(group).observe(now - live.arrived)
-                self.metrics.prompt_tokens.labels(group).inc(live.prompt_tokens)
+                self._observe_finished(group, live, now)
         if tokens:
             self.metrics.generation_tokens.labels(group).inc(tokens)
             itl = self.metrics.itl

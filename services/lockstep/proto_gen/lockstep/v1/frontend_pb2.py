@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as lockstep_dot_v1_dot_rank__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alockstep/v1/frontend.proto\x12\x0blockstep.v1\x1a\x16lockstep/v1/rank.proto\"\x07\n\x05\x45mpty\")\n\tLinkHello\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"\x9b\x02\n\tSubmitMsg\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x03\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10max_tokens_given\x18\t \x01(\x08\x12\x18\n\x10include_stop_str\x18\n \x01(\x08\x12\x11\n\techo_only\x18\x0b \x01(\x08\x12\x0e\n\x06\x63hoice\x18\x0c \x01(\x05\"\x90\x01\n\x0cSubmitAnswer\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x0c\n\x04type\x18\x06 \x01(\t\x12\x18\n\x0bretry_after\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_retry_after\"0\n\tCancelMsg\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"N\n\x0b\x44\x65scription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x14\n\x0cmax_logprobs\x18\x03 \x01(\x03\"T\n\nJsonAnswer\x12\x0e\n\x06status\x18\x01 \x01(\x05\x12\x0c\n\x04json\x18\x02 \x01(\t\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.lockstep.v1.SubmitAnswer\"\x1d\n\rMetricsAnswer\x12\x0c\n\x04text\x18\x01 \x01(\x0c\"d\n\tAdminCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05since\x18\x04 \x01(\x03\x12\x0f\n\x07migrate\x18\x05 \x01(\x08\x42\x07\n\x05_rank\"{\n\rStepEventsMsg\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rcached_tokens\x18\x03 \x03(\x03\x12+\n\x06\x65xtras\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.EventExtrasMsg\"\xf1\x01\n\x0e\x45ventExtrasMsg\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x05\x12/\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1d.lockstep.v1.TokenLogprobsMsg\x12\x1b\n\x13has_prompt_logprobs\x18\x06 \x01(\x08\x12\x36\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1d.lockstep.v1.TokenLogprobsMsg\x12\x14\n\x0cprompt_ranks\x18\x08 \x03(\x03\x32\xdb\x03\n\x0c\x46rontendLink\x12>\n\x06\x45vents\x12\x16.lockstep.v1.LinkHello\x1a\x1a.lockstep.v1.StepEventsMsg0\x01\x12;\n\x06Submit\x12\x16.lockstep.v1.SubmitMsg\x1a\x19.lockstep.v1.SubmitAnswer\x12\x34\n\x06\x43\x61ncel\x12\x16.lockstep.v1.CancelMsg\x1a\x12.lockstep.v1.Empty\x12\x38\n\x08\x44\x65scribe\x12\x12.lockstep.v1.Empty\x1a\x18.lockstep.v1.Description\x12\x35\n\x06Health\x12\x12.lockstep.v1.Empty\x1a\x17.lockstep.v1.JsonAnswer\x12\x39\n\x07Metrics\x12\x12.lockstep.v1.Empty\x1a\x1a.lockstep.v1.MetricsAnswer\x12\x38\n\x05\x41\x64min\x12\x16.lockstep.v1.AdminCall\x1a\x17.lockstep.v1.JsonAnswer\x12\x32\n\x04\x42\x65\x61t\x12\x16.lockstep.v1.LinkHello\x1a\x12.lockstep.v1.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alockstep/v1/frontend.proto\x12\x0blockstep.v1\x1a\x16lockstep/v1/rank.proto\"\x07\n\x05\x45mpty\")\n\tLinkHello\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"\x9b\x02\n\tSubmitMsg\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x03\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.lockstep.v1.SamplingParamsMsg\x12\x12\n\nmax_tokens\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10max_tokens_given\x18\t \x01(\x08\x12\x18\n\x10include_stop_str\x18\n \x01(\x08\x12\x11\n\techo_only\x18\x0b \x01(\x08\x12\x0e\n\x06\x63hoice\x18\x0c \x01(\x05\"\x90\x01\n\x0cSubmitAnswer\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x0c\n\x04type\x18\x06 \x01(\t\x12\x18\n\x0bretry_after\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_retry_after\"A\n\tCancelMsg\x12\x0f\n\x07link_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\"N\n\x0b\x44\x65scription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x14\n\x0cmax_logprobs\x18\x03 \x01(\x03\"T\n\nJsonAnswer\x12\x0e\n\x06status\x18\x01 \x01(\x05\x12\x0c\n\x04json\x18\x02 \x01(\t\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.lockstep.v1.SubmitAnswer\"\x1d\n\rMetricsAnswer\x12\x0c\n\x04text\x18\x01 \x01(\x0c\"d\n\tAdminCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05since\x18\x04 \x01(\x03\x12\x0f\n\x07migrate\x18\x05 \x01(\x08\x42\x07\n\x05_rank\"{\n\rStepEventsMsg\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rcached_tokens\x18\x03 \x03(\x03\x12+\n\x06\x65xtras\x18\x04 \x03(\x0b\x32\x1b.lockstep.v1.EventExtrasMsg\"\xf1\x01\n\x0e\x45ventExtrasMsg\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x05\x12/\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1d.lockstep.v1.TokenLogprobsMsg\x12\x1b\n\x13has_prompt_logprobs\x18\x06 \x01(\x08\x12\x36\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1d.lockstep.v1.TokenLogprobsMsg\x12\x14\n\x0cprompt_ranks\x18\x08 \x03(\x03\x32\xdb\x03\n\x0c\x46rontendLink\x12>\n\x06\x45vents\x12\x16.lockstep.v1.LinkHello\x1a\x1a.lockstep.v1.StepEventsMsg0\x01\x12;\n\x06Submit\x12\x16.lockstep.v1.SubmitMsg\x1a\x19.lockstep.v1.SubmitAnswer\x12\x34\n\x06\x43\x61ncel\x12\x16.lockstep.v1.CancelMsg\x1a\x12.lockstep.v1.Empty\x12\x38\n\x08\x44\x65scribe\x12\x12.lockstep.v1.Empty\x1a\x18.lockstep.v1.Description\x12\x35\n\x06Health\x12\x12.lockstep.v1.Empty\x1a\x17.lockstep.v1.JsonAnswer\x12\x39\n\x07Metrics\x12\x12.lockstep.v1.Empty\x1a\x1a.lockstep.v1.MetricsAnswer\x12\x38\n\x05\x41\x64min\x12\x16.lockstep.v1.AdminCall\x1a\x17.lockstep.v1.JsonAnswer\x12\x32\n\x04\x42\x65\x61t\x12\x16.lockstep.v1.LinkHello\x1a\x12.lockstep.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITANSWER']._serialized_start=406
   _globals['_SUBMITANSWER']._serialized_end=550
   _globals['_CANCELMSG']._serialized_start=552
-  _globals['_CANCELMSG']._serialized_end=600
-  _globals['_DESCRIPTION']._serialized_start=602
-  _globals['_DESCRIPTION']._serialized_end=680
-  _globals['_JSONANSWER']._serialized_start=682
-  _globals['_JSONANSWER']._serialized_end=766
-  _globals['_METRICSANSWER']._serialized_start=768
-  _globals['_METRICSANSWER']._serialized_end=797
-  _globals['_ADMINCALL']._serialized_start=799
-  _globals['_ADMINCALL']._serialized_end=899
-  _globals['_STEPEVENTSMSG']._serialized_start=901
-  _globals['_STEPEVENTSMSG']._serialized_end=1024
-  _globals['_EVENTEXTRASMSG']._serialized_start=1027
-  _globals['_EVENTEXTRASMSG']._serialized_end=1268
-  _globals['_FRONTENDLINK']._serialized_start=1271
-  _globals['_FRONTENDLINK']._serialized_end=1746
+  _globals['_CANCELMSG']._serialized_end=617
+  _globals['_DESCRIPTION']._serialized_start=619
+  _globals['_DESCRIPTION']._serialized_end=697
+  _globals['_JSONANSWER']._serialized_start=699
+  _globals['_JSONANSWER']._serialized_end=783
+  _globals['_METRICSANSWER']._serialized_start=785
+  _globals['_METRICSANSWER']._serialized_end=814
+  _globals['_ADMINCALL']._serialized_start=816
+  _globals['_ADMINCALL']._serialized_end=916
+  _globals['_STEPEVENTSMSG']._serialized_start=918
+  _globals['_STEPEVENTSMSG']._serialized_end=1041
+  _globals['_EVENTEXTRASMSG']._serialized_start=1044
+  _globals['_EVENTEXTRASMSG']._serialized_end=1285
+  _globals['_FRONTENDLINK']._serialized_start=1288
+  _globals['_FRONTENDLINK']._serialized_end=1763
 # @@protoc_insertion_point(module_scope)

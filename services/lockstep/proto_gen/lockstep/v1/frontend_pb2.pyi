@@ -66,12 +66,14 @@ class SubmitAnswer(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., status: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., code: _Optional[str] = ..., type: _Optional[str] = ..., retry_after: _Optional[float] = ...) -> None: ...
 
 class CancelMsg(_message.Message):
-    __slots__ = ("link_id", "request_id")
+    __slots__ = ("link_id", "request_id", "stopped")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     link_id: str
     request_id: str
-    def __init__(self, link_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    stopped: bool
+    def __init__(self, link_id: _Optional[str] = ..., request_id: _Optional[str] = ..., stopped: _Optional[bool] = ...) -> None: ...
 
 class Description(_message.Message):
     __slots__ = ("model_name", "max_model_len", "max_logprobs")
