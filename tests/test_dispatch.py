@@ -301,3 +301,20 @@ def test_a_request_a_group_takes_up_again_after_it_came_back_did_not_move():
         assert 'lockstep_routing_decisions_total{group="g0",reason="replay"} 1.0' in text
 
     asyncio.run(main())
+
+
+def test_with_one_group_no_prompt_is_hashed_for_routing_and_with_two_the_map_learns():
+    """With one group there is nothing to choose: the routing map stays empty (no hashing, none of its memory per
+    prompt); once a second group is there, prompts are recorded again."""
+    async def main() -> None:
+        coord, _ = _coordinator()
+        coord.generate("r1", GenerateSpec(list(range(1, 40)), SamplingParams(), 8))
+        assert len(coord.router) == 0
+        other = Group()
+        other.name = "g1"
+        coord.groups["g1"] = other
+        coord.metrics.init_group("g1", 1)
+        coord.generate("r2", GenerateSpec(list(range(1, 40)), SamplingParams(), 8))
+        assert len(coord.router) == 39 // coord.config.page_size
+
+    asyncio.run(main())

@@ -19,7 +19,7 @@ Defaults, and why:
   the next group, which then holds it too, and both share it by load from then on.
 - `min_match_ratio` 0.3 (SGLang's cache threshold): a match shorter than 30% of the prompt saves too
   little prefill to concentrate load for, and a short common header must not steer traffic.
-- `max_entries` 65536 keys (about 1M prompt tokens at 16 per page, ~15 MB): more than a few groups'
+- `max_entries` 65536 keys (about 1M prompt tokens at 16 per page, 18 MB measured): more than a few groups'
   KV pools hold, so the map forgets a prefix about when the groups' caches would have evicted it.
 - `max_pages` 512: at most the first 8k tokens of a prompt are hashed for routing, bounding the
   coordinator's work per request while covering long system prompts and multi-turn histories.

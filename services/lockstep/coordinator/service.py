@@ -307,8 +307,9 @@ class Coordinator:
             self._fail(req, f"{reason}; no group came back within {self.config.replay_timeout:.0f} s")
 
     def _routing_keys(self, tokens: tuple[int, ...] | list[int]) -> list[bytes]:
-        """The routing map's page keys of these tokens (none under the least-loaded policy, which reads none)."""
-        if not self.router.wants_keys:
+        """The routing map's page keys of these tokens: none under the least-loaded policy, which reads none, nor with
+        one group, where there is nothing to choose (a group added later starts the map)."""
+        if not self.router.wants_keys or len(self.groups) < 2:
             return []
         return page_keys(tokens[: self.router.policy.max_pages * self.config.page_size], self.config.page_size,
                          self._routing_salt)
