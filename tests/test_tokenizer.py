@@ -232,6 +232,64 @@ def test_incremental_decoder_completes_a_character_begun_in_the_prompt(ours: Tok
     assert decoder.add(ids[1]) == "Ω"
 
 
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A Llama-style tokenizer (Gemma's and Llama's GGUF ones are alike): Metaspace pieces, byte fallback (a
+    character it has no piece for is one <0xNN> token per UTF-8 byte), and a decoder that strips the space the
+    text's first piece starts with."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{i:02X}>", -10.0) for i in range(256)]
+    vocab += [(w, -1.0) for w in ["\u2581", "\u2581The", "\u2581capital", "\u2581of", "\u2581is", "\u2581Paris", ".",
+                                  "\u2581ok"]]
+    backend = Backend(models.Unigram(vocab, 0, True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    path = tmp_path_factory.mktemp("sentencepiece")
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("text", ["你好世界和平", "😀😀😀 ok", "日本語のテキスト", "ok 你A好 ok"])
+def test_byte_fallback_characters_come_out_whole_however_many_follow(sentencepiece: Tokenizer, text: str) -> None:
+    """With byte fallback a character is three or four tokens, and the decoder turns a run of bytes that is not
+    UTF-8 as a whole into one U+FFFD per byte. A decode window that started five tokens back (inside a character)
+    therefore made every later character U+FFFD: the window now starts where a piece began, a character's edge."""
+    prompt = sentencepiece.encode("The capital of", add_special_tokens=False)
+    ids = sentencepiece.encode(text, add_special_tokens=False)  # as generated after the prompt: "▁" first
+    assert sum(sentencepiece._backend.id_to_token(i).startswith("<0x") for i in ids) >= 6  # bytes, not pieces
+    pieces = _stream(sentencepiece, ids, prompt)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == " " + text
+    assert sentencepiece.decode(prompt + ids) == "The capital of " + text
+
+
+def test_the_first_generated_piece_keeps_its_space_after_the_prompt(sentencepiece: Tokenizer) -> None:
+    """A Metaspace decoder strips the space a text begins with: decoded alone, " Paris" is "Paris". The generated
+    text is what it adds to the prompt's, as vLLM gives it, so the request's text decodes with the prompt."""
+    import asyncio
+
+    from lockstep.coordinator.generation import GenerateSpec, TokenEvent, collect, text_stream
+    from lockstep.coordinator.request import FinishReason
+    from lockstep.steps import SamplingParams
+
+    prompt = sentencepiece.encode("The capital of", add_special_tokens=False)
+    ids = sentencepiece.encode("Paris.", add_special_tokens=False)  # "▁Paris", "."
+    assert sentencepiece.decode(ids) == "Paris."
+    assert "".join(_stream(sentencepiece, ids, prompt)) == " Paris."
+
+    async def events():
+        for k, t in enumerate(ids):
+            yield TokenEvent(t, FinishReason.LENGTH if k == len(ids) - 1 else None)
+
+    done = asyncio.run(collect(text_stream(sentencepiece, GenerateSpec(prompt, SamplingParams(), len(ids)), events())))
+    assert done.text == " Paris."
+
+
 def test_no_torch_or_transformers_import(tok_dir: Path) -> None:
     code = ("import sys; from lockstep.tokenizer import Tokenizer; "
             f"t = Tokenizer.from_dir({str(tok_dir)!r}); "

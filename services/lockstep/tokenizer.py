@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -207,15 +207,18 @@ class IncrementalDecoder:
 
     A byte-level token can end in the middle of a multi-byte character; the piece is held back
     until the character is complete, so a client never receives a replacement character that the
-    full decode would not have. Decoding starts a few tokens before the new ones because some
-    decoders render a token differently at the start of a string.
+    full decode would not have. Decoding starts before the new tokens because some decoders render a
+    token differently at the start of a string (a Metaspace decoder strips its space): a few prompt
+    tokens back at first, then where the last piece began. That is a character's edge, which matters:
+    a byte-fallback decoder makes a run of byte tokens that is not UTF-8 as a whole one U+FFFD per byte,
+    so a window begun inside a character spoilt every character after it (vLLM moves its window so).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids)
+        self._ids: list[int] = list(prompt_ids[-(_DECODE_CONTEXT + 3):])  # all a window reads of a long prompt
         tokenizer._check_ids(self._ids)
         self._read = len(self._ids)
         self._prefix = max(self._read - _DECODE_CONTEXT, 0)
@@ -226,6 +229,8 @@ class IncrementalDecoder:
                 break
             self._read -= 1
             self._prefix = min(self._prefix, self._read)
+        while self._prefix < self._read and self._window(self._read).startswith("\ufffd"):
+            self._prefix += 1  # the context begins inside a character: from its end
 
     def _window(self, end: int) -> str:
         return self._tokenizer._backend.decode(self._ids[self._prefix:end], skip_special_tokens=self._skip)
@@ -238,14 +243,12 @@ class IncrementalDecoder:
         after = self._window(len(self._ids))
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        self._read = len(self._ids)
-        self._prefix = max(self._read - _DECODE_CONTEXT, 0)
+        self._prefix, self._read = self._read, len(self._ids)
         return after[len(before):]
 
     def flush(self) -> str:
         """The text still held back at the end of the stream (an unfinished character decodes as U+FFFD)."""
         before = self._window(self._read)
         after = self._window(len(self._ids))
-        self._read = len(self._ids)
-        self._prefix = max(self._read - _DECODE_CONTEXT, 0)
+        self._prefix, self._read = self._read, len(self._ids)
         return after[len(before):]

@@ -382,7 +382,7 @@ async def text_stream(tokenizer: Tokenizer, spec: GenerateSpec, events: AsyncGen
     with include_stop_str both are kept in the text. An error event raises ApiError. Closing the pieces
     early closes the events, which aborts the request.
     """
-    decoder = IncrementalDecoder(tokenizer)
+    decoder = IncrementalDecoder(tokenizer, spec.prompt_ids)  # the text the tokens add to the prompt's
     vocab = tokenizer.vocab_size
     hidden = frozenset(() if spec.include_stop_str else spec.stop_token_ids)
     hold = max((len(s) for s in spec.stop), default=1) - 1
