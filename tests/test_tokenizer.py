@@ -296,3 +296,22 @@ def test_no_torch_or_transformers_import(tok_dir: Path) -> None:
             "t.apply_chat_template([{'role': 'user', 'content': 'x'}]); "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_tokens_bytes_rebuild_the_text_where_its_text_alone_is_a_replacement_character(
+        ours: Tokenizer, sentencepiece: Tokenizer) -> None:
+    """OpenAI's chat logprobs `bytes` concatenate to the text. A token holding part of a character decodes alone as
+    U+FFFD, whose UTF-8 is not its bytes: they come from the token itself (byte-level BPE's stand-in characters,
+    byte fallback's <0xNN>, Metaspace's ▁ as a space)."""
+    from lockstep.coordinator.openai_output import Shape, render_logprobs
+    from lockstep.steps import TokenLogprobs
+
+    for tok, text in ((ours, "emoji 🎉🚀 done, 日本語"), (sentencepiece, "ok 你A好 😀")):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case is real
+        rebuilt = b"".join(tok.token_bytes(i) for i in ids)
+        assert rebuilt.decode().lstrip(" ") == tok.decode(ids) == text
+        lps = [TokenLogprobs(-1.0, ((i, -1.0),)) for i in ids]
+        out, _ = render_logprobs(tok, Shape(chat=True, logprobs=1), ids, lps, 0)
+        assert bytes(b for entry in out["content"] for b in entry["bytes"]) == rebuilt
+        assert [e["top_logprobs"][0]["bytes"] for e in out["content"]] == [list(tok.token_bytes(i)) for i in ids]

@@ -13,7 +13,7 @@ import json
 import reprlib
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,17 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # How many already-emitted tokens an incremental decode keeps in front of the new ones: some
 # decoders (Metaspace, WordPiece) render a token differently at the start of a string.
 _DECODE_CONTEXT = 5
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table: printable bytes stand for themselves, the
+    others for the characters from U+0100 on), inverted."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    others = [b for b in range(256) if b not in own]
+    return {chr(b): b for b in own} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -174,6 +185,26 @@ class Tokenizer:
         ids = list(ids)
         self._check_ids(ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`, which rebuild the text when concatenated): a
+        character split over tokens has some of its bytes in each, where the token's text alone is U+FFFD."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback: <0xE4>
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()  # a Metaspace piece ("▁Paris"), or an added token
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps each character of a piece to a byte (GPT-2's byte-level BPE)."""
+        return '"ByteLevel"' in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
 
     def _check_ids(self, ids: list[int]) -> None:
         limit = self.vocab_size

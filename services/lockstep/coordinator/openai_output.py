@@ -250,8 +250,8 @@ def render_logprobs(tokenizer: Tokenizer, shape: Shape, token_ids: Sequence[int]
     lps = list(logprobs) + [None] * (len(token_ids) - len(logprobs))
     if shape.chat:
         content = [{"token": text(t), "logprob": _logprob(lp.logprob if lp else None),
-                    "bytes": list(text(t).encode()),
-                    "top_logprobs": [{"token": text(i), "logprob": _logprob(v), "bytes": list(text(i).encode())}
+                    "bytes": list(tokenizer.token_bytes(t)),
+                    "top_logprobs": [{"token": text(i), "logprob": _logprob(v), "bytes": list(tokenizer.token_bytes(i))}
                                      for i, v in (lp.top[:shape.logprobs] if lp else ())]}
                    for t, lp in zip(token_ids, lps, strict=True)]
         return {"content": content}, offset
