@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from cluster import http
 from lockstep.local_group import free_port
@@ -357,3 +358,69 @@ def test_rank_capacity_counts_two_ranks_a_core_only_with_shared_memory_collectiv
     assert rank_capacity() == (2 * cores if platform.machine() in ("x86_64", "AMD64") else cores)
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # no shared-memory transport there
     assert rank_capacity() == cores
+
+
+@pytest.mark.parametrize(("damage", "words"), [
+    ("truncate", ".safetensors cannot be read as safetensors"),
+    ("config", "config.json is not valid JSON"),
+    ("quantized", "quantization_config.quant_method='fp8'"),
+    ("positions", "max_position_embeddings must be at least 2, got 1"),
+    ("tokenizer", "has no tokenizer.json"),
+])
+def test_a_checkpoint_that_cannot_be_served_is_refused_in_one_line_before_any_rank_starts(
+        tiny_llama, tmp_path, capsys, damage, words):
+    """Found by a fault-finding helper: a truncated safetensors file failed each rank as it loaded, the group was
+    restarted five times, and the error named no file; a bad config.json printed a traceback; a quantized
+    checkpoint loaded its codes as weights and served garbage; max_position_embeddings 1 left serve retrying for
+    ever. Each is now one line naming the file or field, and exit status 2."""
+    import shutil
+
+    from lockstep.serve import main
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    if damage == "truncate":
+        shard = sorted(model.glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "config":
+        (model / "config.json").write_text("{not json")
+    elif damage == "quantized":
+        (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    elif damage == "positions":
+        (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
+    else:
+        (model / "tokenizer.json").unlink()
+    assert main(["--model", str(model), "--tp", "1", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "starting" not in err, err
+
+
+def test_a_rank_that_cannot_serve_its_checkpoint_is_not_started_again(tiny_llama, tmp_path):
+    """A tensor the loader refuses (an int8 weight here) is found only as a rank loads: the rank exits with
+    EXIT_UNSERVABLE, and its group gives up at once instead of loading the checkpoint five more times."""
+    import asyncio
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lockstep.local_ranks import LocalRanks, rank_command
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama, model)
+    for shard in model.glob("*.safetensors"):
+        tensors = load_file(shard)
+        name = next((n for n in tensors if n.endswith("q_proj.weight")), None)
+        if name is not None:
+            tensors[name] = tensors[name].to(torch.int8)
+            save_file(tensors, shard, metadata={"format": "pt"})
+            break
+    said: list[str] = []
+    ranks = LocalRanks(lambda rendezvous: [rank_command(0, 1, rendezvous, free_port(), model, 16, 32, 1, True,
+                                                        "float32")], dict(os.environ), name="g0")
+    ranks.start()
+    try:
+        asyncio.run(asyncio.wait_for(ranks.supervise(said.append), 120))
+    finally:
+        ranks.stop()
+    assert ranks.restarts == 0 and len(said) == 1 and "cannot serve the checkpoint" in said[0], said

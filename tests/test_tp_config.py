@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import lockstep.model.loader as loader
+import lockstep.model.checkpoint_files as checkpoint_files
 from lockstep.model.config import ModelConfig, UnsupportedModelError
 from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import CheckpointError, load_model
@@ -171,6 +171,9 @@ def test_a_rank_reads_only_its_slices(checkpoint_dir, monkeypatch):
                         def get_shape(self):
                             return sl.get_shape()
 
+                        def get_dtype(self):
+                            return sl.get_dtype()
+
                         def __getitem__(self, key):
                             reads.append((name, key))
                             return sl[key]
@@ -185,7 +188,7 @@ def test_a_rank_reads_only_its_slices(checkpoint_dir, monkeypatch):
         def __exit__(self, *exc):
             return self.inner.__exit__(*exc)
 
-    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: Recording(safe_open(*a, **k)))
+    monkeypatch.setattr(checkpoint_files, "safe_open", lambda *a, **k: Recording(safe_open(*a, **k)))
     model = load_model(path, Comm(1, 2), "cpu")
     by_name = dict(reads)
     assert by_name["model.layers.0.self_attn.q_proj.weight"] == slice(32, 64)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from lockstep.local_group import free_port
 
+EXIT_UNSERVABLE = 4  # a rank's exit code for a checkpoint it cannot serve (its log says why): not restarted
+
 
 def rank_command(rank: int, world_size: int, rendezvous: str, port: int, model: str | Path, page_size: int,
                  kv_pages: int, threads: int, prefix_caching: bool = True, dtype: str = "auto") -> list[str]:
@@ -82,6 +84,10 @@ class LocalRanks:
         while True:
             rank, code = await self._first_exit()
             quick = 0 if self.whole else quick + 1
+            if code == EXIT_UNSERVABLE:
+                progress(f"{self.name}: rank {rank} cannot serve the checkpoint (its log above says why); giving up")
+                await asyncio.to_thread(stop_processes, self.procs)
+                return
             if quick >= self.max_quick_failures:
                 progress(f"{self.name}: rank {rank} exited with code {code}; the group died {quick} times in a "
                          f"row before it could serve, giving up")

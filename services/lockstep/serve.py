@@ -21,10 +21,12 @@ from lockstep.coordinator.config import API_KEY_HELP, FRONTENDS, REBALANCE, SCHE
 from lockstep.engine_config import DTYPE
 from lockstep.local_group import free_port
 from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
+from lockstep.model.checkpoint_files import check_checkpoint
 from lockstep.model.config import ModelConfig
-from lockstep.parallel.sharding import TPConfigError, check_tp_size, valid_tp_sizes
+from lockstep.parallel.sharding import check_tp_size, valid_tp_sizes
 from lockstep.rank_auth import RankClientAuth, env_with_token, new_token
 from lockstep.settings import Setting, add_settings, at_least, integer, resolve
+from lockstep.tokenizer import Tokenizer
 
 DP = Setting("dp", "--dp", "LOCKSTEP_DP", integer, 1,
              "data-parallel size: local groups g0..g{N-1} of --tp ranks each", at_least(1))
@@ -138,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = _model_dir(args.model, say)
     if model_dir is None:
         return 2
-    tp = args.tp or _default_tp(model_dir, args.dp, say)
-    try:  # here, not in each rank: a size that cannot split the model would fail every rank, restart after restart
+    try:  # here, not in each rank: what cannot serve the model would fail every rank, restart after restart
+        tp = args.tp or _default_tp(model_dir, args.dp, say)
         check_tp_size(ModelConfig.from_dir(model_dir), tp)
-    except TPConfigError as exc:
+        check_checkpoint(model_dir)
+        Tokenizer.from_dir(model_dir)
+    except (ValueError, OSError) as exc:  # TPConfigError, UnsupportedModelError, CheckpointError: ValueErrors
         say(str(exc))
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // (tp * args.dp))

@@ -83,6 +83,9 @@ class ModelConfig:
                      "intermediate_size", "vocab_size"):
             if getattr(self, name) < 1:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_position_embeddings < 2:  # a prompt token and the one it generates
+            raise UnsupportedModelError(
+                f"max_position_embeddings must be at least 2, got {self.max_position_embeddings}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -141,6 +144,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         arch = _architecture(d)
+        quantized = d.get("quantization_config")
+        if quantized:  # its weights are codes and scales: read as floats they give garbage, not an error
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise UnsupportedModelError(f"quantized checkpoints (quantization_config.quant_method={method!r}) are not "
+                                        "supported; serve the unquantized (float16, bfloat16 or float32) checkpoint")
         if arch in (GEMMA3, GEMMA3_MULTIMODAL):
             return _gemma3(d, arch)
         act = d.get("hidden_act", "silu")
@@ -220,10 +228,10 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{path} has no config.json; a Hugging Face model directory is expected")
-        config = cls.from_hf(json.loads(cfg_file.read_text()))
+        config = cls.from_hf(_json_file(cfg_file))
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
-            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            eos = _json_file(gen_file).get("eos_token_id")
             extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
             merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
             if merged != config.eos_token_ids:
@@ -360,3 +368,14 @@ def _scaling(merged: dict[str, Any], arch: str) -> RopeScaling:
         float(merged["high_freq_factor"]),
         int(merged["original_max_position_embeddings"]),
     )
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A config file's JSON object, or UnsupportedModelError naming the file."""
+    try:
+        found = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(found, dict):
+        raise UnsupportedModelError(f"{path} holds a JSON {type(found).__name__}, not an object")
+    return found

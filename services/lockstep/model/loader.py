@@ -7,24 +7,20 @@ transformers names them; the model class is chosen by the config's architecture.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 
+from lockstep.model.checkpoint_files import CheckpointError, opened, tensor_files
 from lockstep.model.config import GEMMA3, ModelConfig
 from lockstep.model.gemma3 import Gemma3Model
 from lockstep.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from lockstep.model.llama import LlamaModel
 from lockstep.parallel.comm import Comm
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match what its config.json says the model is."""
 
 
 @dataclass(frozen=True)
@@ -81,25 +77,6 @@ def plan_reads(model: LlamaModel) -> list[Read]:
     return reads
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> file, from model.safetensors.index.json when present, else from every file's header."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no weight_map")
-        return {name: path / file for name, file in weight_map.items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} holds no *.safetensors file")
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                where[name] = file
-    return where
-
-
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {GEMMA3: Gemma3Model}
 
 # Where a checkpoint keeps the text decoder and its LM head: a multimodal Gemma 3 nests them under its
@@ -129,21 +106,27 @@ def load_model(
     with torch.device(device):
         model = MODEL_CLASSES.get(config.architecture, LlamaModel)(config, comm)
     model.to(dtype=dtype)
-    where = _tensor_files(path)
+    where = tensor_files(path)
     rename = _checkpoint_names(where)
     with ExitStack() as stack:
-        opened: dict[Path, object] = {}
+        files: dict[Path, object] = {}
         for read in plan_reads(model):
             r = replace(read, name=rename(read.name))
             file = where.get(r.name)
             if file is None:
                 raise CheckpointError(
                     f"checkpoint {path} has no tensor {r.name!r} (expected shape {list(r.shape)})")
-            if file not in opened:
+            if file not in files:
                 if not file.is_file():
                     raise CheckpointError(f"{r.name!r} is mapped to {file.name}, which is not in {path}")
-                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            sl = opened[file].get_slice(r.name)
+                files[file] = stack.enter_context(opened(file, "pt"))
+            try:
+                sl = files[file].get_slice(r.name)
+            except SafetensorError as e:
+                raise CheckpointError(f"{file} has no readable tensor {r.name!r}: {e}") from e
+            if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
+                raise CheckpointError(f"tensor {r.name!r} in {file.name} is {sl.get_dtype()}: only float16, bfloat16 "
+                                      "and float32 weights are read (a quantized checkpoint is not supported)")
             shape = tuple(sl.get_shape())
             if shape != r.shape:
                 raise CheckpointError(
