@@ -315,3 +315,24 @@ def test_a_tokens_bytes_rebuild_the_text_where_its_text_alone_is_a_replacement_c
         out, _ = render_logprobs(tok, Shape(chat=True, logprobs=1), ids, lps, 0)
         assert bytes(b for entry in out["content"] for b in entry["bytes"]) == rebuilt
         assert [e["top_logprobs"][0]["bytes"] for e in out["content"]] == [list(tok.token_bytes(i)) for i in ids]
+
+
+def test_a_tokenizer_for_a_smaller_model_refuses_the_ids_the_model_cannot_read(tok_dir: Path) -> None:
+    """A config.json whose vocab_size is below the tokenizer's: an id past it was taken at the API and failed every
+    rank's embedding (a 503 for the client, a refused step for the group). The served tokenizer is limited to the
+    model's ids, so the API's range checks (prompt ids, stop_token_ids, logit_bias, /detokenize) refuse it."""
+    from types import SimpleNamespace
+
+    from lockstep.coordinator.generation import ApiError, SamplingFields, build_spec
+
+    tok = Tokenizer.from_dir(tok_dir)
+    full = tok.vocab_size
+    assert Tokenizer.from_dir(tok_dir).for_model(full + 64).vocab_size == full  # a padded embedding: the tokenizer's
+    small = Tokenizer.from_dir(tok_dir).for_model(256)
+    assert small.vocab_size == 256 < full
+    model = SimpleNamespace(model_name="m", tokenizer=small, max_model_len=64)
+    with pytest.raises(ApiError, match=r"prompt token ids must be in \[0, 256\)"):
+        build_spec(model, SamplingFields(), [5, 300, 7])
+    with pytest.raises(ValueError):
+        small.decode([300])
+    build_spec(model, SamplingFields(), [5, 255, 7])

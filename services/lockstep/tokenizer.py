@@ -119,6 +119,7 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self.eos_token_ids: set[int] = set(eos_token_ids)
+        self._model_vocab = 1 << 62
         self.bos_token_id: int | None = self._id_of(special_tokens.get("bos_token"))
 
     @classmethod
@@ -158,8 +159,15 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Ids the tokenizer can produce, added tokens included (the model's vocab may be padded larger)."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """Ids the tokenizer can produce, added tokens included (the model's vocab may be padded larger), and the
+        model can read (`for_model`)."""
+        return min(self._backend.get_vocab_size(with_added_tokens=True), self._model_vocab)
+
+    def for_model(self, model_vocab: int) -> Tokenizer:
+        """This tokenizer limited to the ids a model of `model_vocab` embeddings reads: an id past them (a tokenizer
+        larger than its config's vocab_size) is refused at the API, not an index error in every rank's forward."""
+        self._model_vocab = model_vocab
+        return self
 
     @property
     def bos_token(self) -> str | None:

@@ -81,7 +81,8 @@ async def watch_groups_file(coord: Coordinator, path: Path, interval: float = GR
 def build(config: CoordinatorConfig, progress: Callable[[str], None]) -> Coordinator:
     model_dir = resolve_model(config.model, progress)
     model = ModelConfig.from_dir(model_dir)
-    return Coordinator(config, Tokenizer.from_dir(model_dir), model_name(model_dir, model, config.served_model_name),
+    return Coordinator(config, Tokenizer.from_dir(model_dir).for_model(model.vocab_size),
+                       model_name(model_dir, model, config.served_model_name),
                        model.max_position_embeddings)
 
 

@@ -28,6 +28,7 @@ from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, OpenAIServer, run_app
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.request_events import RequestEvents
+from lockstep.model.config import ModelConfig
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2 as fpb
 from lockstep.proto_gen.lockstep.v1 import frontend_pb2_grpc
 from lockstep.tokenizer import Tokenizer
@@ -177,7 +178,8 @@ async def serve_frontend(link: str, model_dir: str, host: str, port: int, api_ke
                          grace: float = SHUTDOWN_GRACE_S, connect_timeout_s: float = 600.0) -> int:
     """Serve the HTTP API until SIGTERM / SIGINT or until the link closes (the coordinator stopped): exit 0 for
     a signal, 1 for a lost link, so whoever started this can tell the two apart."""
-    remote = RemoteCoordinator(link, Tokenizer.from_dir(model_dir))
+    tokenizer = Tokenizer.from_dir(model_dir).for_model(ModelConfig.from_dir(model_dir).vocab_size)
+    remote = RemoteCoordinator(link, tokenizer)
     await remote.connect(connect_timeout_s)
     runner = await run_app(OpenAIServer(remote, api_keys).app(), host, port, grace, reuse_port=True)
     stop = asyncio.Event()
