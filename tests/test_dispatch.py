@@ -318,3 +318,25 @@ def test_with_one_group_no_prompt_is_hashed_for_routing_and_with_two_the_map_lea
         assert len(coord.router) == 39 // coord.config.page_size
 
     asyncio.run(main())
+
+
+def test_a_request_held_from_a_removed_group_moves_without_bringing_its_series_back():
+    """Found by a fault-finding helper: requests held after their group was removed from the groups file were
+    counted as migrated on the removed group when another group took them, which brought its series back to
+    /metrics for good (a removed group leaves every series)."""
+    async def main() -> None:
+        coord, group = _coordinator()
+        other = Group()
+        other.name = "g1"
+        coord.groups["g1"] = other
+        coord.metrics.init_group("g1", 1)
+        _generate(coord, "r1")
+        coord.live["r1"].group = "g1"
+        del coord.groups["g1"]
+        forget_group_series(coord.metrics, "g1")
+        assert 'group="g1"' not in coord.metrics_text().decode()
+        coord._place([coord.live["r1"].request], "group g1 was removed")
+        assert group.adopted == ["r1"] and coord.live["r1"].group == "g0"
+        assert 'group="g1"' not in coord.metrics_text().decode()
+
+    asyncio.run(main())

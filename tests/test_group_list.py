@@ -32,6 +32,33 @@ def test_bad_entries_are_refused(text):
         parse_group_list(text)
 
 
+@pytest.mark.parametrize(("text", "words"), [
+    ("g0=h:1\ng1=h:2,h:1", "h:1 is listed for groups 'g0' and 'g1'"),
+    ("g0=h:1,h:1", "h:1 is listed twice in group 'g0'"),
+    ("g3=127.0.0.1:24011 # extra", "'127.0.0.1:24011 # extra' is not HOST:PORT"),
+    ("g0=h", "'h' is not HOST:PORT"),
+    ("g0=h:0", "'h:0' is not HOST:PORT"),
+    ("g0=h:70000", "'h:70000' is not HOST:PORT"),
+    ("g0=:50051", "':50051' is not HOST:PORT"),
+])
+def test_a_rank_in_two_groups_or_an_address_that_is_no_address_is_refused(text, words):
+    """Found by a fault-finding helper: one rank listed for two groups was applied, and the two groups took its one
+    Step stream from each other about 250 times a second, for ever; an address with a comment after it was
+    applied, and its group never served. A rank serves one group, at one HOST:PORT."""
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        parse_group_list(text)
+    assert parse_group_list("g0=[::1]:50051,demo-g0-0.demo-g0.ml.svc.cluster.local:50051") == {
+        "g0": ("[::1]:50051", "demo-g0-0.demo-g0.ml.svc.cluster.local:50051")}
+
+
+def test_groups_given_as_several_flags_are_checked_together(capsys):
+    """--group g0=... --group g0=... (or the same rank in two flags) is refused as one list would be."""
+    for argv in (["--group", "g0=h:1", "--group", "g0=h:2"], ["--group", "g0=h:1", "--group", "g1=h:1"]):
+        with pytest.raises(SystemExit):
+            parse_config(argv, env={})
+        assert "listed" in capsys.readouterr().err
+
+
 def test_empty_text_is_no_group():
     assert parse_group_list("") == {} and parse_group_list("# nothing\n\n") == {}
 

@@ -148,9 +148,7 @@ API_KEY_HELP = ("an API key clients must send as 'Authorization: Bearer KEY' on 
 
 def parse_groups(items: list[str]) -> dict[str, tuple[str, ...]]:
     """`g0=host:port,host:port` items (or one `LOCKSTEP_GROUPS` string joined by ';') -> name -> addresses."""
-    groups: dict[str, tuple[str, ...]] = {}
-    for item in items:
-        groups.update(parse_group_list(item.replace("\n", ";")))
+    groups = parse_group_list(";".join(item.replace("\n", ";") for item in items))  # checked as one list
     if not groups:
         raise ValueError("no group given: pass --group g0=HOST:PORT,... or --groups-file, or set LOCKSTEP_GROUPS")
     return groups

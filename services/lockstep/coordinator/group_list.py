@@ -31,7 +31,24 @@ def parse_group_list(text: str) -> Groups:
             if name.strip() in groups:
                 raise ValueError(f"group {name.strip()!r} is listed twice")
             groups[name.strip()] = addresses
+    _check_addresses(groups)
     return groups
+
+
+def _check_addresses(groups: Groups) -> None:
+    """Every address a HOST:PORT, and each rank in one group once: a rank serves one Step stream, so two groups
+    naming it would take it from each other for ever."""
+    seen: dict[str, str] = {}
+    for name, addresses in groups.items():
+        for a in addresses:
+            host, _, port = a.rpartition(":")
+            if not host or any(c.isspace() for c in a) or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"group {name!r}: {a!r} is not HOST:PORT")
+            if a in seen:
+                raise ValueError(f"rank address {a} is listed twice in group {name!r}" if seen[a] == name else
+                                 f"rank address {a} is listed for groups {seen[a]!r} and {name!r}: a rank serves "
+                                 "one group")
+            seen[a] = name
 
 
 def format_group_list(groups: Mapping[str, tuple[str, ...] | list[str]]) -> str:

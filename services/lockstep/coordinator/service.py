@@ -257,7 +257,8 @@ class Coordinator:
                 if live.group != name:  # a group back up that takes its own requests again moved none
                     log.warning("request %s moves from group %s to %s after %d token(s)", req.request_id,
                                 live.group, name, len(req.generated))
-                    self.metrics.requests_migrated.labels(live.group).inc()
+                    if live.group in self.groups:  # a group removed has no series left to count on
+                        self.metrics.requests_migrated.labels(live.group).inc()
                 else:
                     log.info("request %s goes on in group %s, back up, after %d token(s)", req.request_id, name,
                              len(req.generated))
