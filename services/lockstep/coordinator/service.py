@@ -375,7 +375,7 @@ class Coordinator:
         runner = self.groups.get(live.group) if live is not None else None
         if not finished and runner is not None:
             runner.abort(request_id)
-        if stopped and live is not None:
+        if stopped and runner is not None:  # a removed group's series are gone: not brought back
             self._observe_finished(live.group, live, time.monotonic())
 
     def _observe_finished(self, group: str, live: _Live, now: float) -> None:

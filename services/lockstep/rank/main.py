@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from lockstep.engine_config import DTYPE, EngineConfig
 from lockstep.local_ranks import EXIT_UNSERVABLE
+from lockstep.model.checkpoint_files import CheckpointError
+from lockstep.model.config import UnsupportedModelError
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
 from lockstep.rank_auth import RANK_SETTINGS, RankServerAuth, server_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
@@ -233,13 +235,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             engine = _start_engine(engine_factory, cfg)
         except _Terminated:
             return 0
-        except ValueError as exc:
-            from lockstep.model.checkpoint_files import CheckpointError
-            from lockstep.model.config import UnsupportedModelError
-
-            if not isinstance(exc, CheckpointError | UnsupportedModelError):
-                log.exception("rank %d: the engine did not start", cfg.rank)
-                return 1
+        except (CheckpointError, UnsupportedModelError) as exc:
             log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
             return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
         except Exception:
