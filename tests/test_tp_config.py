@@ -4,6 +4,7 @@ message that names the problem; checkpoints that do not match their config name 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -145,6 +146,45 @@ def test_untied_checkpoint_without_lm_head_is_refused(qwen_copy):
     (qwen_copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):
         load_model(qwen_copy, single_comm(), "cpu")
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    ("model.layers.2.mlp.up_proj.weight", "a layer past num_hidden_layers"),
+    ("model.layers.0.self_attn.o_proj.bias", "a bias the config does not give the model"),
+    ("model.layers.1.mlp.experts.0.up_proj.weight", "a tensor of another architecture"),
+])
+def test_a_tensor_the_model_would_not_read_is_refused_by_name(qwen_copy, extra, why):
+    """Silently skipping it would serve another model than the checkpoint's (its biases or layers dropped)."""
+    tensors = load_file(qwen_copy / "model.safetensors")
+    tensors[extra] = torch.zeros(4)
+    save_file(tensors, qwen_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"1 tensor .*does not use: '{re.escape(extra)}'"):
+        load_model(qwen_copy, single_comm(), "cpu")
+
+
+def test_tensors_transformers_also_skips_are_not_refused(qwen_copy):
+    """Old Llama checkpoints' rotary buffers, and an LM head saved beside tied embeddings, are not weights."""
+    tensors = load_file(qwen_copy / "model.safetensors")
+    want = load_model(qwen_copy, single_comm(), "cpu").state_dict()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, qwen_copy / "model.safetensors", metadata={"format": "pt"})
+    got = load_model(qwen_copy, single_comm(), "cpu").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_tensor_in_two_files_is_refused(checkpoint_dir, tmp_path):
+    """Without an index, which copy a rank read would depend on the order it listed the files in."""
+    src = checkpoint_dir("llama_gqa")
+    shutil.copytree(src, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors.index.json").unlink()
+    files = sorted((tmp_path / "ckpt").glob("*.safetensors"))
+    first = load_file(files[0])
+    name = sorted(first)[0]
+    extra = {name: first[name] + 1}
+    save_file(extra, tmp_path / "ckpt" / "zz-extra.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(repr(name))} is in both {files[0].name} and zz-extra"):
+        checkpoint_files.check_checkpoint(tmp_path / "ckpt")
 
 
 def test_a_rank_reads_only_its_slices(checkpoint_dir, monkeypatch):

@@ -37,6 +37,10 @@ def tensor_files(path: Path) -> dict[str, Path]:
     for file in files:
         with opened(file) as f:
             for name in f.keys():
+                if name in where:
+                    raise CheckpointError(f"tensor {name!r} is in both {where[name].name} and {file.name}: which "
+                                          "one is the model's is not known (an index, model.safetensors.index.json, "
+                                          "would say)")
                 where[name] = file
     return where
 

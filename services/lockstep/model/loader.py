@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -85,8 +86,14 @@ _TEXT_PREFIXES = (("model.", "lm_head."), ("model.language_model.", "lm_head."),
                   ("language_model.model.", "language_model.lm_head."))
 
 
-def _checkpoint_names(where: dict[str, Path]) -> Callable[[str], str]:
-    """Maps the names plan_reads uses (`model.*`, `lm_head.*`) to the names this checkpoint uses."""
+# Tensors a checkpoint may hold that are not weights of the model: rotary buffers of older Llama checkpoints, and
+# (with tied embeddings) a copy of the embeddings saved as the LM head. transformers and vLLM skip them too.
+_NOT_WEIGHTS = (".rotary_emb.inv_freq",)
+
+
+def _checkpoint_names(where: dict[str, Path]) -> tuple[Callable[[str], str], Callable[[str], bool]]:
+    """Maps the names plan_reads uses (`model.*`, `lm_head.*`) to the names this checkpoint uses; and which of
+    the checkpoint's names are the text decoder's (a multimodal checkpoint's vision tower is not)."""
     body, head = next(((b, h) for b, h in _TEXT_PREFIXES if f"{b}embed_tokens.weight" in where), _TEXT_PREFIXES[0])
 
     def rename(name: str) -> str:
@@ -94,7 +101,38 @@ def _checkpoint_names(where: dict[str, Path]) -> Callable[[str], str]:
             return body + name.removeprefix("model.")
         return head + name.removeprefix("lm_head.")
 
-    return rename
+    def decoder(name: str) -> bool:
+        return name.startswith((body, head)) and not name.endswith(_NOT_WEIGHTS)
+
+    return rename, decoder
+
+
+def _check_all_read(path: Path, where: dict[str, Path], read: set[str], decoder: Callable[[str], bool],
+                    tied_head: str | None) -> None:
+    """A decoder tensor the model does not read means config.json describes another model than the weights (a
+    bias, a layer or an expert it would drop): served, it would answer garbage, so it is refused by name."""
+    unread = sorted(n for n in where if decoder(n) and n not in read and n != tied_head)
+    if unread:
+        shown = ", ".join(repr(n) for n in unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} has {len(unread)} tensor{'s' if len(unread) > 1 else ''} the model "
+                              f"its config.json describes does not use: {shown}; config.json does not describe "
+                              "these weights (a bias, layer count or architecture differs)")
+
+
+def _checked_slice(handle: Any, file: Path, r: Read, config: ModelConfig) -> Any:
+    """The tensor `r` reads, as a lazy slice, once its dtype and full shape are the ones the model needs."""
+    try:
+        sl = handle.get_slice(r.name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} has no readable tensor {r.name!r}: {e}") from e
+    if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
+        raise CheckpointError(f"tensor {r.name!r} in {file.name} is {sl.get_dtype()}: only float16, bfloat16 "
+                              "and float32 weights are read (a quantized checkpoint is not supported)")
+    shape = tuple(sl.get_shape())
+    if shape != r.shape:
+        raise CheckpointError(f"tensor {r.name!r} in {file.name} has shape {list(shape)}, "
+                              f"but {config.architecture} with this config.json needs {list(r.shape)}")
+    return sl
 
 
 def load_model(
@@ -107,11 +145,13 @@ def load_model(
         model = MODEL_CLASSES.get(config.architecture, LlamaModel)(config, comm)
     model.to(dtype=dtype)
     where = tensor_files(path)
-    rename = _checkpoint_names(where)
+    rename, decoder = _checkpoint_names(where)
+    reads = [replace(r, name=rename(r.name)) for r in plan_reads(model)]
+    _check_all_read(path, where, {r.name for r in reads}, decoder,
+                    rename("lm_head.weight") if model.lm_head.tied else None)
     with ExitStack() as stack:
         files: dict[Path, object] = {}
-        for read in plan_reads(model):
-            r = replace(read, name=rename(read.name))
+        for r in reads:
             file = where.get(r.name)
             if file is None:
                 raise CheckpointError(
@@ -120,18 +160,7 @@ def load_model(
                 if not file.is_file():
                     raise CheckpointError(f"{r.name!r} is mapped to {file.name}, which is not in {path}")
                 files[file] = stack.enter_context(opened(file, "pt"))
-            try:
-                sl = files[file].get_slice(r.name)
-            except SafetensorError as e:
-                raise CheckpointError(f"{file} has no readable tensor {r.name!r}: {e}") from e
-            if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
-                raise CheckpointError(f"tensor {r.name!r} in {file.name} is {sl.get_dtype()}: only float16, bfloat16 "
-                                      "and float32 weights are read (a quantized checkpoint is not supported)")
-            shape = tuple(sl.get_shape())
-            if shape != r.shape:
-                raise CheckpointError(
-                    f"tensor {r.name!r} in {file.name} has shape {list(shape)}, "
-                    f"but {config.architecture} with this config.json needs {list(r.shape)}")
+            sl = _checked_slice(files[file], file, r, config)
             if r.dim is None:
                 part, dst = sl[:], r.param.data
             elif r.dim == 0:
