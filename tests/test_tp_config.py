@@ -74,6 +74,11 @@ def test_model_refuses_a_tp_size_before_building():
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads (3)"),
     ({"num_hidden_layers": None}, "config.json has no 'num_hidden_layers'"),
+    ({"num_hidden_layers": "thirty"}, "config.json's 'num_hidden_layers' must be an integer, not 'thirty'"),
+    ({"num_hidden_layers": 2.5}, "config.json's 'num_hidden_layers' must be an integer, not 2.5"),
+    ({"eos_token_id": "</s>"}, "config.json's 'eos_token_id' must be a token id or a list of them, not '</s>'"),
+    ({"eos_token_id": [2, -1]}, "config.json's 'eos_token_id' must be a token id or a list of them, not [2, -1]"),
+    ({"bos_token_id": "<s>"}, "config.json's 'bos_token_id' must be a token id, not '<s>'"),
 ])
 def test_unsupported_configs_are_refused(changes, message):
     d = {**BASE, **changes}
@@ -111,6 +116,9 @@ def test_from_dir_merges_generation_config_eos(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     config = ModelConfig.from_dir(tmp_path)
     assert config.eos_token_ids == (2, 7) and config.bos_token_id == 1
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(UnsupportedModelError, match="generation_config.json's 'eos_token_id' must be a token id"):
+        ModelConfig.from_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         ModelConfig.from_dir(tmp_path / "missing")
 

@@ -231,9 +231,8 @@ class ModelConfig:
         config = cls.from_hf(_json_file(cfg_file))
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
-            eos = _json_file(gen_file).get("eos_token_id")
-            extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-            merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
+            extra = token_ids(_json_file(gen_file).get("eos_token_id"), "generation_config.json's 'eos_token_id'")
+            merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
             if merged != config.eos_token_ids:
                 config = replace(config, eos_token_ids=merged)
         return config
@@ -322,16 +321,40 @@ def _gemma3_rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling, floa
 
 def _ids(d: dict[str, Any]) -> dict[str, Any]:
     """bos, eos ids and the checkpoint's name: the ModelConfig fields every family reads the same way."""
-    eos = d.get("eos_token_id")
-    eos_ids = tuple(map(int, eos)) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return {"bos_token_id": d.get("bos_token_id"), "eos_token_ids": eos_ids,
+    bos = d.get("bos_token_id")
+    if bos is not None:
+        bos = _integer(bos)
+        if bos is None or bos < 0:
+            raise UnsupportedModelError(f"config.json's 'bos_token_id' must be a token id, not {d['bos_token_id']!r}")
+    return {"bos_token_id": bos, "eos_token_ids": token_ids(d.get("eos_token_id"), "config.json's 'eos_token_id'"),
             "name_or_path": str(d.get("_name_or_path") or "")}
+
+
+def token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An `eos_token_id` as a tuple: one id, a list of them, or none; a token's text there is named, not cast."""
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    out = [_integer(i) for i in ids]
+    if any(i is None or i < 0 for i in out):
+        raise UnsupportedModelError(f"{where} must be a token id or a list of them, not {value!r}")
+    return tuple(out)  # type: ignore[arg-type]  # None refused above
+
+
+def _integer(value: Any) -> int | None:
+    """A JSON integer (30 or 30.0) as an int; None for anything else (a string, true, 2.5)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value)
 
 
 def _int(d: dict[str, Any], key: str) -> int:
     if key not in d:
         raise UnsupportedModelError(f"config.json has no {key!r}")
-    return int(d[key])
+    value = _integer(d[key])
+    if value is None:
+        raise UnsupportedModelError(f"config.json's {key!r} must be an integer, not {d[key]!r}")
+    return value
 
 
 def _rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling]:
