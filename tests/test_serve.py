@@ -365,6 +365,7 @@ def test_rank_capacity_counts_two_ranks_a_core_only_with_shared_memory_collectiv
     ("config", "config.json is not valid JSON"),
     ("quantized", "quantization_config.quant_method='fp8'"),
     ("positions", "max_position_embeddings must be at least 2, got 1"),
+    ("rope", "rope_theta must be positive and finite, got 0.0"),
     ("tokenizer", "has no tokenizer.json"),
 ])
 def test_a_checkpoint_that_cannot_be_served_is_refused_in_one_line_before_any_rank_starts(
@@ -389,11 +390,24 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_in_one_line_before_any_ra
         (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     elif damage == "positions":
         (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
+    elif damage == "rope":  # served, every logit was NaN: token 0 every time, with HTTP 200
+        (model / "config.json").write_text(json.dumps({**config, "rope_theta": 0}))
     else:
         (model / "tokenizer.json").unlink()
     assert main(["--model", str(model), "--tp", "1", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and "starting" not in err, err
+
+
+def test_a_gguf_file_given_as_the_model_is_refused_saying_why(tmp_path, capsys):
+    """GGUF is imported for the built-ins only: a user who passes one is told so, not only that config.json is
+    missing."""
+    from lockstep.serve import main
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert main(["--model", str(tmp_path / "m.gguf"), "--tp", "1", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint directory (no config.json) (a GGUF file is served only as a built-in's source" in err
 
 
 def test_a_rank_that_cannot_serve_its_checkpoint_is_not_started_again(tiny_llama, tmp_path):

@@ -79,6 +79,20 @@ def test_model_refuses_a_tp_size_before_building():
     ({"eos_token_id": "</s>"}, "config.json's 'eos_token_id' must be a token id or a list of them, not '</s>'"),
     ({"eos_token_id": [2, -1]}, "config.json's 'eos_token_id' must be a token id or a list of them, not [2, -1]"),
     ({"bos_token_id": "<s>"}, "config.json's 'bos_token_id' must be a token id, not '<s>'"),
+    ({"num_attention_heads": 0}, "num_heads must be positive, got 0"),
+    ({"num_key_value_heads": 0}, "num_kv_heads must be positive, got 0"),
+    ({"head_dim": 0}, "head_dim must be positive, got 0"),
+    ({"rope_theta": 0}, "rope_theta must be positive and finite, got 0.0"),
+    ({"rope_theta": float("nan")}, "rope_theta must be positive and finite, got nan"),
+    ({"rope_theta": "x"}, "config.json's 'rope_theta' must be a number, not 'x'"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be at least 0 and finite, got -1.0"),
+    ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be at least 0 and finite, got inf"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}},
+     "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 0}},
+     "original_max_position_embeddings must be positive, got 0"),
 ])
 def test_unsupported_configs_are_refused(changes, message):
     d = {**BASE, **changes}

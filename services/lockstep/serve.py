@@ -96,7 +96,8 @@ def _model_dir(model: str | None, say) -> Path | None:
             say(str(exc))
             return None
     if not (Path(model) / "config.json").is_file():
-        say(f"{model} is not a checkpoint directory (no config.json)")
+        gguf = " (a GGUF file is served only as a built-in's source, not with --model)" * model.endswith(".gguf")
+        say(f"{model} is not a checkpoint directory (no config.json){gguf}")
         return None
     return Path(model)
 

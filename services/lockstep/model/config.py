@@ -48,6 +48,16 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            return
+        if not 0 < self.low_freq_factor < self.high_freq_factor or not math.isfinite(self.high_freq_factor):
+            raise UnsupportedModelError("llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                                        f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.original_max_position_embeddings < 1:
+            raise UnsupportedModelError("llama3 rope scaling's original_max_position_embeddings must be positive, "
+                                        f"got {self.original_max_position_embeddings}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -106,6 +116,16 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{self.architecture} with activation {self.hidden_act!r} is not supported; supported: "
                 f"{', '.join(ACTIVATIONS)}")
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """The float fields a checkpoint's config sets: each out of its range makes the model's output NaN."""
+        for name in ("rope_theta", "sliding_rope_theta"):  # 0 or NaN makes every logit NaN, served as token 0
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UnsupportedModelError(f"{name} must be positive and finite, got {value}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise UnsupportedModelError(f"rms_norm_eps must be at least 0 and finite, got {self.rms_norm_eps}")
         for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -158,8 +178,10 @@ class ModelConfig:
             raise UnsupportedModelError(f"pretraining_tp={d['pretraining_tp']} is not supported; only 1 is")
         hidden = _int(d, "hidden_size")
         heads = _int(d, "num_attention_heads")
-        kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = d.get("head_dim") or hidden // heads
+        if heads < 1:
+            raise UnsupportedModelError(f"num_heads must be positive, got {heads}")
+        kv_heads = heads if d.get("num_key_value_heads") is None else _int(d, "num_key_value_heads")
+        head_dim = hidden // heads if d.get("head_dim") is None else _int(d, "head_dim")
         layers = _int(d, "num_hidden_layers")
         theta, scaling = _rope(d, arch)
 
@@ -194,10 +216,10 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             intermediate_size=_int(d, "intermediate_size"),
             vocab_size=_int(d, "vocab_size"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=qkv_bias,
@@ -285,15 +307,15 @@ def _gemma3(d: dict[str, Any], arch: str) -> ModelConfig:
         head_dim=_int(d, "head_dim"),
         intermediate_size=_int(d, "intermediate_size"),
         vocab_size=_int(d, "vocab_size"),
-        rms_norm_eps=float(d["rms_norm_eps"]),
+        rms_norm_eps=_float(d, "rms_norm_eps"),
         rope_theta=full_theta,
         rope_scaling=full_scaling,
         qkv_bias=bias,
         o_bias=bias,
         tie_word_embeddings=bool(d["tie_word_embeddings"]),
         hidden_act=str(d["hidden_activation"]),
-        query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
-        final_logit_softcapping=None if softcap is None else float(softcap),
+        query_pre_attn_scalar=_float(d, "query_pre_attn_scalar"),
+        final_logit_softcapping=None if softcap is None else _float(d, "final_logit_softcapping"),
         sliding_rope_theta=sliding_theta,
         sliding_rope_scaling=sliding_scaling,
         sliding_window=window,
@@ -315,8 +337,8 @@ def _gemma3_rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling, floa
     full.setdefault("rope_theta", d.get("rope_theta") or GEMMA3_DEFAULTS["rope_theta"])
     sliding = dict(params.get("sliding_attention") or {"rope_type": "default"})
     sliding.setdefault("rope_theta", d.get("rope_local_base_freq") or GEMMA3_DEFAULTS["rope_local_base_freq"])
-    return (float(full["rope_theta"]), _scaling(full, arch),
-            float(sliding["rope_theta"]), _scaling(sliding, arch))
+    return (_float(full, "rope_theta"), _scaling(full, arch),
+            _float(sliding, "rope_theta"), _scaling(sliding, arch))
 
 
 def _ids(d: dict[str, Any]) -> dict[str, Any]:
@@ -357,11 +379,23 @@ def _int(d: dict[str, Any], key: str) -> int:
     return value
 
 
+def _float(d: dict[str, Any], key: str, default: float | None = None) -> float:
+    """A number of config.json (its `default` when absent; required when there is none), named when it is not."""
+    if key not in d and default is not None:
+        return default
+    if key not in d:
+        raise UnsupportedModelError(f"config.json has no {key!r}")
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UnsupportedModelError(f"config.json's {key!r} must be a number, not {value!r}")
+    return float(value)
+
+
 def _rope(d: dict[str, Any], arch: str) -> tuple[float, RopeScaling]:
     """transformers 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`."""
     params = dict(d.get("rope_parameters") or {})
     legacy = dict(d.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = _float(params, "rope_theta", None) if "rope_theta" in params else _float(d, "rope_theta", 10000.0)
     return theta, _scaling({**legacy, **params}, arch)
 
 
@@ -376,7 +410,7 @@ def _scaling(merged: dict[str, Any], arch: str) -> RopeScaling:
         raise UnsupportedModelError("partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
         return RopeScaling()
-    factor = float(merged.get("factor", 1.0))
+    factor = _float(merged, "factor", 1.0)
     if not math.isfinite(factor) or factor <= 0:
         raise UnsupportedModelError(f"rope scaling factor must be positive, got {factor}")
     if rope_type == "linear":
@@ -387,9 +421,9 @@ def _scaling(merged: dict[str, Any], arch: str) -> RopeScaling:
     return RopeScaling(
         "llama3",
         factor,
-        float(merged["low_freq_factor"]),
-        float(merged["high_freq_factor"]),
-        int(merged["original_max_position_embeddings"]),
+        _float(merged, "low_freq_factor"),
+        _float(merged, "high_freq_factor"),
+        _int(merged, "original_max_position_embeddings"),
     )
 
 
