@@ -28,7 +28,7 @@ from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
 from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import Tokenizer
 from test_choices import chunks_of
-from test_generation import MODEL, TOK, FakeFrontend, _events, _http, _post, error_of, tid, tokens
+from test_generation import MODEL, TOK, FakeFrontend, _events, _http, _post, error_of, grpc_spec, tid, tokens
 from test_request_edge import _free_port
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -210,11 +210,10 @@ def test_grpc_prompt_logprobs_come_on_the_first_message_and_in_complete():
 
 
 def test_grpc_prompt_logprobs_range_is_the_servers_max_logprobs():
-    from lockstep.coordinator.grpc_api import request_spec
 
     for k in (-1, 21):
-        err = error_of(request_spec, MODEL, ipb.GenerateRequest(text="x", prompt_logprobs=k))
+        err = error_of(grpc_spec, MODEL, ipb.GenerateRequest(text="x", prompt_logprobs=k))
         assert (err.status, err.param) == (400, "prompt_logprobs") and "between 0 and 20" in err.message
-    spec, _ = request_spec(MODEL, ipb.GenerateRequest(text="x", prompt_logprobs=0, logprobs=3))
+    spec, _ = grpc_spec(MODEL, ipb.GenerateRequest(text="x", prompt_logprobs=0, logprobs=3))
     assert (spec.sampling.prompt_logprobs, spec.sampling.logprobs) == (0, 3)
-    assert error_of(request_spec, MODEL, ipb.GenerateRequest(text="x", max_tokens=0)).param == "max_tokens"
+    assert error_of(grpc_spec, MODEL, ipb.GenerateRequest(text="x", max_tokens=0)).param == "max_tokens"

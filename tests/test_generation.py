@@ -48,6 +48,13 @@ TOK = _tokenizer()
 MODEL = SimpleNamespace(model_name="tiny", tokenizer=TOK, max_model_len=64)
 
 
+def grpc_spec(frontend, req):
+    """The gRPC API's spec of a request (async: a long prompt is encoded in a thread), from a test's own thread."""
+    from lockstep.coordinator.grpc_api import request_spec
+
+    return asyncio.run(request_spec(frontend, req))
+
+
 def tid(piece: str) -> int:
     """The id of an EXTRA token, or of the one byte of a one-byte string."""
     if piece in EXTRA:
@@ -266,7 +273,7 @@ def test_enums_compare_and_serialize_as_their_strings():
 
 
 def test_grpc_optional_fields_become_sampling_fields():
-    from lockstep.coordinator.grpc_api import request_spec, sampling_fields
+    from lockstep.coordinator.grpc_api import sampling_fields
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 
     assert sampling_fields(ipb.GenerateRequest(text="x")) == SamplingFields(stop=[], stop_token_ids=[])
@@ -274,11 +281,11 @@ def test_grpc_optional_fields_become_sampling_fields():
                                               stop=["a", "b"]))
     assert got == SamplingFields(temperature=0.0, top_p=0.5, top_k=-1, seed=3, max_tokens=4, stop=["a", "b"],
                                  stop_token_ids=[])
-    spec, rid = request_spec(MODEL, ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6]), temperature=0,
+    spec, rid = grpc_spec(MODEL, ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6]), temperature=0,
                                                         request_id="mine"))
     assert rid == "mine" and spec.prompt_ids == [5, 6] and spec.sampling.temperature == 0.0
     assert spec.max_tokens == 62 and not spec.max_tokens_given
-    spec, rid = request_spec(MODEL, ipb.GenerateRequest(text="Hi", model="tiny"))
+    spec, rid = grpc_spec(MODEL, ipb.GenerateRequest(text="Hi", model="tiny"))
     assert rid.startswith("cmpl-") and spec.prompt_ids == TOK.encode("Hi")
     for req, status, param in ((ipb.GenerateRequest(), 400, None),
                                (ipb.GenerateRequest(text="x", model="other"), 404, "model"),
@@ -286,7 +293,7 @@ def test_grpc_optional_fields_become_sampling_fields():
                                (ipb.GenerateRequest(text="x", top_p=0), 400, "top_p"),
                                (ipb.GenerateRequest(text="x", stop=[""]), 400, "stop"),
                                (ipb.GenerateRequest(text="x", temperature=math.nan), 400, "temperature")):
-        err = error_of(request_spec, MODEL, req)
+        err = error_of(grpc_spec, MODEL, req)
         assert (err.status, err.param) == (status, param), req
 
 
@@ -363,7 +370,7 @@ def test_a_grpc_call_the_client_may_retry_says_when_in_grpc_retry_pushback(monke
             raise RuntimeError("aborted")
 
     def refused(status: int):
-        def request_spec(frontend, request):
+        async def request_spec(frontend, request):
             raise ApiError(status, "the server is overloaded" if status == 503 else "bad field")
         return request_spec
 
@@ -560,7 +567,7 @@ def test_http_logprobs_whole_and_streamed_in_openai_shapes():
 
 
 def test_grpc_logprobs_and_their_range():
-    from lockstep.coordinator.grpc_api import InferenceServicer, request_spec
+    from lockstep.coordinator.grpc_api import InferenceServicer
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 
     fe = FakeFrontend(_lp_events())
@@ -576,7 +583,7 @@ def test_grpc_logprobs_and_their_range():
     assert list(done.logprobs[1].top_ids) == [tid("ld"), tid("Hello")] and done.logprobs[1].top_logprobs[0] == -0.25
     assert [m for s in streamed for m in s.logprobs] == list(done.logprobs)
     assert [spec.sampling.logprobs for _, spec in fe.asked] == [2, 2]
-    assert request_spec(MODEL, ipb.GenerateRequest(text="x")).__getitem__(0).sampling.logprobs == -1
+    assert grpc_spec(MODEL, ipb.GenerateRequest(text="x")).__getitem__(0).sampling.logprobs == -1
     for bad in (-1, 21):
-        err = error_of(request_spec, MODEL, ipb.GenerateRequest(text="x", logprobs=bad))
+        err = error_of(grpc_spec, MODEL, ipb.GenerateRequest(text="x", logprobs=bad))
         assert (err.status, err.param) == (400, "logprobs")

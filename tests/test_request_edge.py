@@ -20,7 +20,7 @@ from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.openai_fields import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from lockstep.coordinator.request import FinishReason
 from lockstep.tokenizer import Tokenizer
-from test_generation import TOK, FakeFrontend, _http, _post, tid, tokens
+from test_generation import TOK, FakeFrontend, _http, _post, grpc_spec, tid, tokens
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_PROMPT = {"prompt": [5, 6]}
@@ -407,7 +407,7 @@ def test_a_client_that_hangs_up_aborts_its_request(stream, first):
 
 
 def test_grpc_requests_have_the_same_limits():
-    from lockstep.coordinator.grpc_api import MAX_REQUEST_ID_CHARS, request_spec
+    from lockstep.coordinator.grpc_api import MAX_REQUEST_ID_CHARS
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 
     fe = FakeFrontend([])
@@ -418,9 +418,9 @@ def test_grpc_requests_have_the_same_limits():
                        (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 2**62])), "prompt"),
                        (ipb.GenerateRequest(token_ids=ids, max_tokens=2**62), "max_tokens")):
         with pytest.raises(ApiError) as info:
-            request_spec(fe, req)
+            grpc_spec(fe, req)
         assert (info.value.status, info.value.param) == (400, param)
-    assert request_spec(fe, ipb.GenerateRequest(token_ids=ids, request_id="r" * MAX_REQUEST_ID_CHARS))[1] == "r" * 256
+    assert grpc_spec(fe, ipb.GenerateRequest(token_ids=ids, request_id="r" * MAX_REQUEST_ID_CHARS))[1] == "r" * 256
 
 
 @pytest.mark.parametrize("retry_after, header", [(None, "5"), (12.3, "13"), (0.01, "1")])
@@ -441,16 +441,15 @@ def test_a_503_says_when_to_retry(retry_after, header):
 def test_grpc_penalty_fields_are_checked_as_the_http_ones():
     import math
 
-    from lockstep.coordinator.grpc_api import request_spec
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 
-    spec, _ = request_spec(FakeFrontend([]), ipb.GenerateRequest(
+    spec, _ = grpc_spec(FakeFrontend([]), ipb.GenerateRequest(
         token_ids=ipb.TokenIds(ids=[5, 6]), max_tokens=4, repetition_penalty=1.2, frequency_penalty=0.5,
         presence_penalty=-0.5, min_tokens=2, logit_bias={7: 5.0, 3: -1.0}))
     p = spec.sampling
     assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_tokens) == (1.2, 0.5, -0.5, 2)
     assert p.logit_bias == ((3, -1.0), (7, 5.0))
-    unset, _ = request_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5])))
+    unset, _ = grpc_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5])))
     assert not unset.sampling.adjusts_logits
     for fields, param in (({"repetition_penalty": 0.0}, "repetition_penalty"),
                           ({"frequency_penalty": math.nan}, "frequency_penalty"),
@@ -462,7 +461,7 @@ def test_grpc_penalty_fields_are_checked_as_the_http_ones():
                           ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
                           ({"logprobs": 21}, "logprobs")):
         with pytest.raises(ApiError) as err:
-            request_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), max_tokens=4,
+            grpc_spec(FakeFrontend([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), max_tokens=4,
                                                                **fields))
         assert err.value.status == 400 and err.value.param == param, fields
 
@@ -470,7 +469,7 @@ def test_grpc_penalty_fields_are_checked_as_the_http_ones():
         max_logprobs = 3  # the coordinator's --max-logprobs, as the frontend tells it
 
     with pytest.raises(ApiError) as err:
-        request_spec(Limited([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), logprobs=4))
+        grpc_spec(Limited([]), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5]), logprobs=4))
     assert "between 0 and 3" in err.value.message
 
 

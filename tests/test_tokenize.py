@@ -100,3 +100,46 @@ def test_tokenize_and_detokenize_need_the_api_key():
             return out
 
     assert asyncio.run(go()) == [401, 401, 200] * 2
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 2}),
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+    (T, lambda text: {"prompt": text}),
+])
+def test_a_large_prompt_is_tokenized_off_the_event_loop(path, body):
+    """Found by a fault-finding helper: tokenizing a prompt of a few MB held the event loop for seconds (six of
+    them stalled another client's stream 9.7 s, and the step loop shares that loop). The tokenizer's batch call
+    releases the GIL, so a large text is encoded in a thread while the loop goes on."""
+    import time
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from lockstep.coordinator.openai_api import OpenAIServer
+
+    text = "hello world " * 300_000  # within the 4 MB body limit
+    started = time.perf_counter()
+    TOK.encode(text)
+    alone = time.perf_counter() - started
+    assert alone > 0.3, "this machine encodes too fast for the test to tell a stall from none"
+
+    async def go() -> tuple[int, float]:
+        async with TestClient(TestServer(OpenAIServer(ChatFrontend(tokens("Hello"))).app())) as client:
+            loop, gaps, done = asyncio.get_running_loop(), [0.0], asyncio.Event()
+
+            async def tick() -> None:
+                last = loop.time()
+                while not done.is_set():
+                    await asyncio.sleep(0.005)
+                    gaps.append(loop.time() - last)
+                    last = loop.time()
+
+            ticker = asyncio.create_task(tick())
+            status, _ = await _post(client, path, {**body(text), "model": "tiny"})
+            done.set()
+            await ticker
+            return status, max(gaps)
+
+    status, longest = asyncio.run(go())
+    assert status in (200, 400)  # 400: longer than the fake model's context, found once tokenized
+    assert longest < alone / 4, (longest, alone)

@@ -185,6 +185,13 @@ class Tokenizer:
             raise ValueError(f"can only encode a string, not {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, releasing the GIL while it runs (the backend's batch call does, its single call does not):
+        for a thread, so that the event loop goes on while a text of megabytes is encoded."""
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode a string, not {type(text).__name__}")
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary's own piece for an id (with its space marker), None outside the vocabulary."""
         return self._backend.id_to_token(token_id)

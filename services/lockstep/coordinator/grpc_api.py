@@ -29,6 +29,7 @@ from lockstep.coordinator.generation import (
     generate_text,
 )
 from lockstep.coordinator.openai_fields import max_logprobs_of
+from lockstep.coordinator.prompt_encoding import encode_prompt
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 from lockstep.steps import TokenLogprobs
 
@@ -49,12 +50,12 @@ def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
                           logit_bias=dict(req.logit_bias) or None, **given)
 
 
-def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tuple[GenerateSpec, str]:
+async def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tuple[GenerateSpec, str]:
     """The validated spec of a request and its id (the caller's, or a new one)."""
     check_model(frontend, req.model or None)
     which = req.WhichOneof("prompt")
     if which == "text":
-        prompt_ids = frontend.tokenizer.encode(req.text)
+        prompt_ids = await encode_prompt(frontend.tokenizer, req.text)
     elif which == "token_ids":
         prompt_ids = list(req.token_ids.ids)
     else:
@@ -113,7 +114,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """One message per text piece; the last one carries the finish reason and the usage."""
         try:
-            spec, rid = request_spec(self.frontend, request)
+            spec, rid = await request_spec(self.frontend, request)
             first, generated = True, 0
             async with aclosing(generate_text(self.frontend, rid, spec)) as pieces:
                 async for piece in pieces:
@@ -138,7 +139,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                        ) -> inference_pb2.GenerateResponse:
         """The whole answer, with its usage."""
         try:
-            spec, rid = request_spec(self.frontend, request)
+            spec, rid = await request_spec(self.frontend, request)
             done = await collect(generate_text(self.frontend, rid, spec))
         except ApiError as exc:
             await _abort(context, exc)

@@ -9,6 +9,7 @@ rank at the next step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from lockstep.coordinator.openai_fields import (
 )
 from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
+from lockstep.coordinator.prompt_encoding import OFF_LOOP_CHARS, encode_prompt, off_loop
 from lockstep.coordinator.request_events import settled
 
 log = logging.getLogger("lockstep.api")
@@ -128,7 +130,7 @@ class OpenAIServer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = self.frontend.tokenizer.encode(prompt)
+            prompt_ids = await encode_prompt(self.frontend.tokenizer, prompt)
         elif isinstance(prompt, list) and all(is_json_integer(t) for t in prompt):
             prompt_ids = [int(t) for t in prompt]
         else:
@@ -142,8 +144,8 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions: the messages go through the model's chat template."""
         body = await self._json(request, "chat")
-        text = self._chat_text(check_messages(body.get("messages")))
-        prompt_ids = self.frontend.tokenizer.encode(text, add_special_tokens=False)
+        text = await self._chat_text(check_messages(body.get("messages")))
+        prompt_ids = await encode_prompt(self.frontend.tokenizer, text, add_special_tokens=False)
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
         return await respond(request, self.frontend, body, spec, Shape(True, _token_ids(body)))
 
@@ -154,15 +156,15 @@ class OpenAIServer:
         body = await self._json(request, "tokenize_chat" if "messages" in raw else "tokenize", raw)
         tokenizer = self.frontend.tokenizer
         if "messages" in body:
-            text = self._chat_text(check_messages(body.get("messages")),
-                                   json_field(body, "add_generation_prompt", (bool,), True))
+            text = await self._chat_text(check_messages(body.get("messages")),
+                                         json_field(body, "add_generation_prompt", (bool,), True))
             special = json_field(body, "add_special_tokens", (bool,), False)
         else:
             text = json_field(body, "prompt", (str,))
             if text is None:
                 raise ApiError(400, "the request needs a 'prompt' (a string) or 'messages'", "prompt")
             special = json_field(body, "add_special_tokens", (bool,), True)
-        ids = tokenizer.encode(text, add_special_tokens=special)
+        ids = await encode_prompt(tokenizer, text, add_special_tokens=special)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids}
         if json_field(body, "return_token_strs", (bool,), False):
             # vLLM's convert_ids_to_tokens: the vocabulary's strings ("▁world"), which a one-id decode would strip
@@ -181,10 +183,15 @@ class OpenAIServer:
             raise ApiError(400, str(exc), "tokens") from exc
         return web.json_response({"prompt": text})
 
-    def _chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat, or a 400 when the model's template refuses it."""
+    async def _chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat, or a 400 when the model's template refuses it; a long chat is rendered in
+        a thread (the loop still runs between the template's steps), as its text is encoded."""
+        render = functools.partial(self.frontend.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=add_generation_prompt)
         try:
-            return self.frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            if sum(len(str(m.get("content", ""))) for m in messages) + len(messages) <= OFF_LOOP_CHARS:
+                return render()
+            return await off_loop(render)
         except ValueError as exc:
             raise ApiError(400, f"the chat template could not be applied: {exc}", "messages") from exc
 
