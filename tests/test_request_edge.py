@@ -491,3 +491,35 @@ def test_openapi_documents_the_penalty_ranges_and_the_servers_max_logprobs():
     assert not any(keys.search(k) for k in ("-1", "05", "00", " 1", "1.0", "300", ""))
     chat = request_schema("chat", "tiny", 64, 300, 7)["properties"]["top_logprobs"]["anyOf"][0]
     assert chat["maximum"] == 7
+
+
+def test_a_request_the_http_parser_refuses_is_one_short_warning_not_a_traceback(caplog):
+    """Found by a fault-finding helper: every malformed request (a megabyte of method, a header over 8 KB) logged
+    a traceback at ERROR, with the bytes it got: a scanner could fill the log and page on-call. Now one WARNING
+    line each, cut short; the client still gets a 400."""
+    import logging
+
+    from aiohttp.test_utils import TestServer
+
+    from lockstep.coordinator.openai_api import OpenAIServer
+
+    async def go() -> list[bytes]:
+        async with TestServer(OpenAIServer(FakeFrontend([])).app()) as server:
+            answers = []
+            for sent in (b"a" * 100_000 + b" / HTTP/1.1\r\nHost: x\r\n\r\n",
+                         b"GET /health HTTP/1.1\r\nX-Big: " + b"b" * 100_000 + b"\r\n\r\n"):
+                reader, writer = await asyncio.open_connection(server.host, server.port)
+                writer.write(sent)
+                await writer.drain()
+                answers.append(await reader.read(12))
+                writer.close()
+            await asyncio.sleep(0.1)
+            return answers
+
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        assert asyncio.run(go()) == [b"HTTP/1.0 400"] * 2
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records  # (aiohttp logs the first; a header too long it refuses quietly)
+    for r in records:
+        assert r.levelno == logging.WARNING and r.exc_info is None and r.exc_text is None
+        assert len(r.getMessage()) < 300 and "malformed HTTP request" in r.getMessage()

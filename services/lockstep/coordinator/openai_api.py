@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 import lockstep
 from lockstep.coordinator.auth import ApiKeys
@@ -47,6 +48,27 @@ SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordina
 _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs a traceback at ERROR for each request its parser refuses (a port scanner's, a header over
+    8 KB, a method of a megabyte): one WARNING line each instead, cut short, so a bad client cannot fill the log
+    or page whoever watches its errors. The client still gets aiohttp's 400."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            text = str(exc)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "refused a malformed HTTP request: %s", (text[:200] + "..." * (len(text) > 200),)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_parser_errors() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedRequests) for f in logger.filters):
+        logger.addFilter(_MalformedRequests())
+
+
 class OpenAIServer:
     """The HTTP routes; every rule about a request's fields lives in generation.py, shared with gRPC."""
 
@@ -58,6 +80,7 @@ class OpenAIServer:
 
     def app(self) -> web.Application:
         """The aiohttp application: OpenAI's routes, health and metrics, and the operators' /admin routes."""
+        _quiet_parser_errors()
         app = web.Application(middlewares=[self._errors, self._auth, self._query],
                               client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
