@@ -14,11 +14,11 @@ from lockstep.coordinator import service
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.generation import GenerateSpec, TokenEvent
-from lockstep.coordinator.metrics import LATENCY_BUCKETS, Metrics
+from lockstep.coordinator.metrics import LATENCY_BUCKETS, Metrics, forget_group_series
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.request import FinishReason
 from lockstep.coordinator.request_events import RequestEvents
-from lockstep.coordinator.service import Coordinator, forget_group_series
+from lockstep.coordinator.service import Coordinator
 from lockstep.steps import SamplingParams
 
 ITL = "lockstep_inter_token_latency_seconds"

@@ -353,6 +353,9 @@ def test_a_request_of_n_choices_is_counted_against_max_waiting_requests_once_as_
             raise AssertionError("an overloaded coordinator took the request")
         except ApiError as exc:
             assert exc.status == 503 and "6 requests are waiting" in exc.message
+        rejected = coord.metrics.requests_rejected
+        assert rejected.labels("server_overloaded")._value.get() == 1  # an operator sees the refusals
+        assert rejected.labels("request_too_large")._value.get() == 0  # every reason's series is there from start
 
     asyncio.run(main())
 

@@ -211,6 +211,7 @@ def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(tiny_ll
             except urllib.error.HTTPError as exc:
                 assert exc.code == 503 and int(exc.headers["Retry-After"]) >= 1
                 assert json.loads(exc.read())["error"]["code"] == "server_overloaded"
+            assert c.metric("lockstep_requests_rejected_total", reason="server_overloaded") == [1.0]
             assert all(len(f.result(timeout=120)["choices"][0]["token_ids"]) == 200 for f in futs)
         c.assert_no_leak()
     finally:

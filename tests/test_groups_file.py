@@ -100,8 +100,7 @@ def test_a_group_removed_from_the_file_hands_its_streams_over_and_one_added_serv
 
 
 def test_a_removed_groups_series_leave_metrics_and_the_others_stay():
-    from lockstep.coordinator.metrics import Metrics
-    from lockstep.coordinator.service import forget_group_series
+    from lockstep.coordinator.metrics import Metrics, forget_group_series
 
     metrics = Metrics()
     for g in ("g0", "g1"):

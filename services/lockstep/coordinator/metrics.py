@@ -33,6 +33,9 @@ rebalance_log = logging.getLogger("lockstep.rebalance")
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+REJECTION_REASONS = ("server_overloaded", "group_unavailable", "request_too_large", "request_id_in_use")
+
+
 class _Series:
     """One group's histogram: per-bucket (not cumulative) counts, the sum, and when the series was created."""
 
@@ -190,6 +193,13 @@ class Metrics:
             "lockstep_requests_dropped_total", "Accepted requests ended with an error because their group went "
             "down and none could take them (should stay 0)", ["group"], registry=r,
         )
+        self.requests_rejected = Counter(
+            "lockstep_requests_rejected_total", "Requests the coordinator refused before queueing them, by the "
+            "error code the client got (server_overloaded: past --max-waiting-requests; group_unavailable: no "
+            "group could serve; request_too_large; request_id_in_use)", ["reason"], registry=r,
+        )
+        for reason in REJECTION_REASONS:
+            self.requests_rejected.labels(reason)
         self.routing_decisions = Counter(
             "lockstep_routing_decisions_total", "Requests routed to this group, by why it was chosen",
             ["group", "reason"], registry=r,
@@ -277,3 +287,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def forget_group_series(metrics: Metrics, group: str) -> None:
+    """Drop every series labelled with a removed group, so /metrics and the dashboards stop showing it (its
+    counters' history stays in Prometheus). A histogram's `le` label is not one of its label values."""
+    for metric in vars(metrics).values():
+        if not isinstance(metric, (prometheus_metrics.MetricWrapperBase, GroupHistogram)):
+            continue
+        seen: set[tuple[str, ...]] = set()
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.labels.get("group") == group:
+                    seen.add(tuple(v for k, v in sample.labels.items() if k != "le"))
+        for values in seen:
+            metric.remove(*values)

@@ -14,14 +14,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client.metrics import MetricWrapperBase
-
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
 from lockstep.coordinator.group import GroupDown, GroupRunner
 from lockstep.coordinator.group_list import GroupsDiff, diff_groups
-from lockstep.coordinator.metrics import GroupHistogram, Metrics
+from lockstep.coordinator.metrics import REJECTION_REASONS, Metrics, forget_group_series
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
@@ -339,6 +337,14 @@ class Coordinator:
     def submit(self, request_id: str, spec: GenerateSpec, queue: EventSink) -> None:
         """Queue the request now, or raise ApiError; its events go to `queue` (a frontend link's, or the
         Outbox that `generate` reads). Whoever holds the queue ends the request with `_end`."""
+        try:
+            self._submit(request_id, spec, queue)
+        except ApiError as exc:
+            if exc.code in REJECTION_REASONS:  # what clients were refused, for an operator (503s above all)
+                self.metrics.requests_rejected.labels(exc.code).inc()
+            raise
+
+    def _submit(self, request_id: str, spec: GenerateSpec, queue: EventSink) -> None:
         if request_id in self.live:
             raise ApiError(409, f"request id {request_id!r} is already running", "request_id",
                            "request_id_in_use")
@@ -433,17 +439,3 @@ class Coordinator:
         for g in self.groups.values():
             await g.close()
 
-
-def forget_group_series(metrics: Metrics, group: str) -> None:
-    """Drop every series labelled with a removed group, so /metrics and the dashboards stop showing it (its
-    counters' history stays in Prometheus). A histogram's `le` label is not one of its label values."""
-    for metric in vars(metrics).values():
-        if not isinstance(metric, (MetricWrapperBase, GroupHistogram)):
-            continue
-        seen: set[tuple[str, ...]] = set()
-        for family in metric.collect():
-            for sample in family.samples:
-                if sample.labels.get("group") == group:
-                    seen.add(tuple(v for k, v in sample.labels.items() if k != "le"))
-        for values in seen:
-            metric.remove(*values)
