@@ -328,8 +328,8 @@ def test_a_tokenizer_for_a_smaller_model_refuses_the_ids_the_model_cannot_read(t
     tok = Tokenizer.from_dir(tok_dir)
     full = tok.vocab_size
     assert Tokenizer.from_dir(tok_dir).for_model(full + 64).vocab_size == full  # a padded embedding: the tokenizer's
-    small = Tokenizer.from_dir(tok_dir).for_model(256)
-    assert small.vocab_size == 256 < full
+    small = tok.for_model(256)
+    assert small.vocab_size == 256 < full == tok.vocab_size  # a limited copy: the tokenizer it came from is whole
     model = SimpleNamespace(model_name="m", tokenizer=small, max_model_len=64)
     with pytest.raises(ApiError, match=r"prompt token ids must be in \[0, 256\)"):
         build_spec(model, SamplingFields(), [5, 300, 7])

@@ -9,6 +9,7 @@ on the same directory.
 
 from __future__ import annotations
 
+import copy
 import json
 import reprlib
 from collections.abc import Iterable, Sequence
@@ -165,9 +166,11 @@ class Tokenizer:
 
     def for_model(self, model_vocab: int) -> Tokenizer:
         """This tokenizer limited to the ids a model of `model_vocab` embeddings reads: an id past them (a tokenizer
-        larger than its config's vocab_size) is refused at the API, not an index error in every rank's forward."""
-        self._model_vocab = model_vocab
-        return self
+        larger than its config's vocab_size) is refused at the API, not an index error in every rank's forward. A
+        copy (sharing the backend): the tokenizer it came from keeps its own range."""
+        limited = copy.copy(self)
+        limited._model_vocab = model_vocab
+        return limited
 
     @property
     def bos_token(self) -> str | None:
