@@ -201,3 +201,47 @@ def test_a_failed_forward_is_reported_with_the_pools_and_the_engine_goes_on(tiny
     monkeypatch.setattr(eng.model, "forward", real)
     again = eng.step(Plan(step=1, batch=(Chunk("m", p, 0, sample=True),)))
     assert not again.error and len(again.sampled) == 1
+
+
+class _TwoRanks:
+    """This rank's view of a group of two whose peer accepts every step: the agreement returns what it sent."""
+
+    rank, world_size = 0, 2
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def test_a_forward_that_fails_in_a_group_breaks_the_group_instead_of_refusing_the_step(tiny_llama, monkeypatch):
+    """Seed 000's hang: a rank that leaves the forward early while its peers wait in one of its collectives. In a
+    group of several ranks a failed forward is fatal to the rank (GroupBroken: it exits, its group is made
+    again), never a refused step that the peers, stuck in the forward, would not see."""
+    from lockstep.steps import GroupBroken
+
+    eng = Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=16))
+    monkeypatch.setattr(eng, "comm", _TwoRanks())
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(GroupBroken, match="step 0 failed inside the forward"):
+        eng.step(Plan(step=0, admits=(Admit("m"),), batch=(Chunk("m", tuple(prompt(11, 20)), 0, sample=True),)))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_agreed_split_that_this_rank_cannot_carry_out_breaks_the_group(tiny_llama, monkeypatch, ranks):
+    """Found by a review against seed 001: every rank agreed to a rebalance and had moved its page bookkeeping to
+    the new split; then one rank's tensors could not be resized (out of memory: a layer's new tensor is made
+    while the old one lives). That rank reported an ordinary error and stayed up, with its bookkeeping at the new
+    split and its tensors at the old one, while the coordinator took the split as refused and its peers had
+    carried it out; later plans could hand it pages past its tensors. It now breaks the group (GroupBroken: the
+    rank exits and its group is made again, from nothing)."""
+    from lockstep.steps import GroupBroken
+
+    eng = Engine.create(EngineConfig(str(tiny_llama), page_size=PS, kv_pages=16))
+    if ranks > 1:
+        monkeypatch.setattr(eng, "comm", _TwoRanks())
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(eng.kv, "resize", out_of_memory)
+    with pytest.raises(GroupBroken, match="the KV split agreed at step 0 .*out of memory"):
+        eng.step(Plan(step=0, pool_split=(("full", 12),)))

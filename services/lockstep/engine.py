@@ -143,7 +143,7 @@ class Engine:
             self.cache.undo_admits()
             error = error or "another rank of the group refused this step"
         elif plan.pool_split:
-            self.kv.resize(self.config, dict(plan.pool_split))
+            self._resize(plan)
             log.info("rank %d: KV pools rebalanced at step %d to %s", self.comm.rank, plan.step, dict(plan.pool_split))
         elif plan.pool_fence:
             log.info("rank %d: KV pools fenced at step %d at %s", self.comm.rank, plan.step, dict(plan.pool_fence))
@@ -158,6 +158,17 @@ class Engine:
         probes, pools = self.cache.finish(plan)
         timings = Timings(step_s=time.perf_counter() - t0, forward_s=forward_s)
         return Report(plan.step, self.comm.rank, sampled, probes, pools, error, timings, scored)
+
+    def _resize(self, plan: Plan) -> None:
+        """The split the group agreed on, carried out on the KV tensors. The bookkeeping moved at `prepare` and
+        the peers carry it out too, so a rank that cannot (out of memory: a layer's new tensor is made while the
+        old one lives) has no consistent state left to report a refusal from: it breaks the group, which is
+        made again from nothing."""
+        try:
+            self.kv.resize(self.config, dict(plan.pool_split))
+        except Exception as exc:
+            raise GroupBroken(f"rank {self.comm.rank}: the KV split agreed at step {plan.step} could not be carried "
+                              f"out ({type(exc).__name__}: {exc})") from exc
 
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         """The sampling rank's tokens of the last step for the plan's pending chunks (overlap), in batch order,
