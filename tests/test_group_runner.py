@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+
+import pytest
 
 from lockstep.coordinator.group import GroupRunner
 from lockstep.coordinator.metrics import Metrics
@@ -428,3 +431,28 @@ def test_a_request_too_large_for_the_pool_names_the_prompt_when_the_prompt_alone
         return params
 
     assert asyncio.run(main()) == ["prompt", "prompt", "max_tokens"]
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"page_size": 32}, "rank 1 uses page size 32, the coordinator 16"),
+    ({"model_id": "other"}, "rank 1 serves other, rank 0 m"),
+    ({"sliding_window": 512}, "rank 1 has pools"),
+    ({"pools": (("full", 64),)}, "rank 1 has pools"),
+    ({"page_bytes": (("full", 4096), ("sliding", 8192))}, "rank 1 prices a page at"),
+])
+def test_ranks_that_cannot_be_one_group_are_refused_before_it_forms(change, words):
+    """Every check on the ranks' Info before a group forms; seed 001's decision from one rank's view: the
+    rebalance trades pages at rank 0's page bytes, so a rank that prices them otherwise (another dtype or KV
+    layout) would carry out a split of another size in bytes than the one decided."""
+    from dataclasses import replace
+
+    from lockstep.coordinator.config import CoordinatorConfig
+    from lockstep.coordinator.service import Coordinator
+    from lockstep.steps import RankInfo
+
+    coord = Coordinator(CoordinatorConfig(), tokenizer=None, model_name="m", max_model_len=64)
+    one = RankInfo(0, 2, "m", 16, (("full", 64), ("sliding", 32)), 64, 100, sliding_window=256,
+                   page_bytes=(("full", 2048), ("sliding", 2048)))
+    assert coord._make_scheduler([one, replace(one, rank=1)]) is not None
+    with pytest.raises(ValueError, match=re.escape(words)):
+        coord._make_scheduler([one, replace(one, rank=1, **change)])

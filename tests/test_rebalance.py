@@ -239,3 +239,34 @@ def test_the_decision_is_the_same_whichever_rank_holds_the_larger_pools(sizes):
                                                                                          movable=n)))
                for r, n in enumerate(sizes)]
     assert rb.decide(10, 0.0, reports) == Move(split={"full": 30, "sliding": 15})
+
+
+def test_a_rebalance_one_rank_refuses_is_undone_on_every_rank_and_not_sent_again():
+    """Seed 001: a rank that cannot take a split refuses; its peers, which had moved their pools, go back, and the
+    coordinator does not send that split again. Every rank's pools stay as they were (unequal here) and the
+    requests still finish with the reference tokens. (A review's pin: undoing the peers' resize broke no test.)"""
+    rb = Rebalancer(RebalancePolicy(interval_steps=1, cooldown_s=0.0, min_samples=3, threshold=1.05), 4, 8,
+                    {"full": 1, "sliding": 3}, max_model_len=64)
+    for _ in range(3):
+        rb.sample(8)  # short chats: the target moves pages from full to sliding
+    sched = make_sched(ranks=3, budget=12, seqs=4, window=8, rebalancer=rb)
+    g = Group(sched, [60, 50, 64], sliding=[30, 26, 34])
+    g.run_step()  # step 0: no reports yet, nothing decided
+    pools = lambda: [{n: p.num_pages for n, p in r.cache.pools.items()} for r in g.ranks]  # noqa: E731
+    before = pools()
+    g.run_step(refuse={1: "injected: cannot take the split"})
+    refused = g.plans[-1].pool_split
+    assert refused, "no split was decided at step 1: the test would check nothing"
+    assert pools() == before
+    assert all(r.cache.pools[n].fence == p.num_pages for r in g.ranks for n, p in r.cache.pools.items())
+    assert sched.rebalances == 0 and tuple(sorted(dict(refused).items())) in rb.refused
+    reqs = [Request(f"r{i}", [1 + i, 2, 3, 4, 5, 6], SamplingParams(), 4) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work():
+        g.run_step()
+        assert g.plans[-1].pool_split != refused and g.step < 60
+        now = pools()
+        assert now == before or all(t == now[0] for t in now), now  # never some ranks moved and others not
+    for r in reqs:
+        assert r.generated == reference(r)

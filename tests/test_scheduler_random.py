@@ -65,6 +65,8 @@ def drive(w: Workload) -> Group:
         assert g.step < 5000, "no progress"
     for r in g.ranks:
         r.assert_idle()
+    # seed 000's probe set bounded by the wrong thing: the book holds live requests' probes only, none once all end
+    assert len(g.sched._book) == 0 and not g.sched.requests
     refused_admits = 0
     for req in reqs:
         assert req.finished, req

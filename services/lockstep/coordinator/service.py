@@ -134,6 +134,9 @@ class Coordinator:
             if info.sliding_window != infos[0].sliding_window or dict(info.pools).keys() != dict(infos[0].pools).keys():
                 raise ValueError(f"rank {r} has pools {dict(info.pools)} (window {info.sliding_window}), rank 0 "
                                  f"{dict(infos[0].pools)} (window {infos[0].sliding_window})")
+            if info.page_bytes != infos[0].page_bytes:  # a rebalance trades pages at rank 0's prices
+                raise ValueError(f"rank {r} prices a page at {dict(info.page_bytes)} bytes, rank 0 at "
+                                 f"{dict(infos[0].page_bytes)}")
         return Scheduler(
             page_size=cfg.page_size,
             salt=key_salt(infos[0].model_id, cfg.page_size),
