@@ -254,3 +254,39 @@ def test_a_killed_group_leaves_nothing_and_a_new_one_at_the_same_rendezvous_work
             p.kill()
     leftovers = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"{PREFIX}{pid}-") for pid in pids)]
     assert not leftovers
+
+
+def _one_rank_cannot_map(comm) -> tuple[bool, float, list[str]]:
+    """Rank 1's mapping fails (say its /dev/shm is another host's): what select_shm gives, then a gloo sum."""
+    import torch.distributed as dist
+
+    from lockstep.parallel import comm as comm_module
+    from lockstep.parallel import shm_allreduce
+
+    real = shm_allreduce.ShmAllReduce
+
+    def refusing(*args, create: bool = False, **kwargs):
+        if comm.rank == 1:
+            raise OSError("injected: this rank cannot map the segment")
+        return real(*args, create=create, **kwargs)
+
+    shm_allreduce.ShmAllReduce = refusing
+    try:
+        chosen = comm_module.select_shm(comm.rank, comm.world_size, timeout_s=30.0)
+    finally:
+        shm_allreduce.ShmAllReduce = real
+    ones = torch.ones(4)
+    dist.all_reduce(ones)
+    left = [n for n in os.listdir(shm_allreduce.SHM_DIR) if n.startswith(f"{PREFIX}{os.getpid()}-")]
+    return chosen is None, float(ones[0]), left
+
+
+def test_a_rank_that_cannot_map_the_segment_makes_every_rank_fall_back_to_gloo_together():
+    """Seed 001's collective entered by some ranks only: had rank 0 gone on with shared memory while rank 1
+    fell back to gloo, their first collective would wait for each other for ever. Every rank learns of any
+    rank's failure and all fall back, and rank 0 leaves no segment behind."""
+    g = ProcessGroup(2, env={"LOCKSTEP_COMM": "auto"})
+    try:
+        assert g.run(_one_rank_cannot_map) == [(True, 2.0, []), (True, 2.0, [])]
+    finally:
+        g.close()
