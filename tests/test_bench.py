@@ -75,6 +75,21 @@ def test_the_dtype_reaches_every_rank_of_both_runs(how, tmp_path, capfd, monkeyp
     assert in_process == [True, True]
 
 
+def test_the_tp_size_is_serves_by_default_and_one_the_model_cannot_split_is_one_line(tiny_llama, capsys):
+    """Found by a helper following the README: `lockstep bench --model builtin` failed with a traceback, its
+    --tp defaulting to 2, which the built-in model cannot split (1 or 3). The default is now the size `lockstep
+    serve` chooses, and a size the model cannot split is refused in one line before anything starts."""
+    from lockstep.bench.command import _tp
+    from lockstep.device import rank_capacity
+    from lockstep.serve import default_tp
+
+    assert _tp(tiny_llama, 0) == default_tp(tiny_llama, rank_capacity())
+    assert _tp(tiny_llama, 1) == 1
+    assert main(["--model", str(tiny_llama), "--tp", "3", "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor-parallel size 3 cannot split" in err and "TP sizes that work" in err and "Traceback" not in err
+
+
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err

@@ -76,6 +76,10 @@ def test_the_command_and_its_errors(tiny_llama, tmp_path, capsys):
     c = Cluster(tiny_llama, tp=1, kv_pages=64, log_dir=tmp_path, coordinator_args=["--api-key", "k1"])
     try:
         run = run_external(Target(c.url + "/v1", api_key="wrong"), PROMPTS[:2], MAX_TOKENS, 1, warmup=0)
+        capsys.readouterr()
+        assert main([*common, "--url", c.url + "/v1"]) == 1  # no key: its warmup request fails, said in one line
+        err = capsys.readouterr().err
+        assert "lockstep bench: HTTP 401" in err and "Traceback" not in err, err
         assert main([*common, "--url", c.url + "/v1", "--api-key", "k1", "--json", str(tmp_path / "o.json")]) == 0
         c.assert_no_leak()
     finally:

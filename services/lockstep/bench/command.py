@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "(fetched and imported on first use, as `lockstep serve` does)")
     model.add_argument("--tiny", action="store_true", help="build a tiny random Llama into a temp dir "
                        "(needs transformers)")
-    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size of both runs")
+    p.add_argument("--tp", type=_positive, default=0,
+                   help="tensor-parallel size of both runs (default: as `lockstep serve` chooses it)")
     p.add_argument("--requests", type=_positive, default=64)
     p.add_argument("--concurrency", type=_positive, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=_positive, default=32, help="output tokens per request")
@@ -145,6 +146,20 @@ def _model_limits(model_dir: Path) -> tuple[int, int]:
     return min(Tokenizer.from_dir(model_dir).vocab_size, config.vocab_size), config.max_position_embeddings
 
 
+def _tp(model_dir: Path, asked: int) -> int:
+    """--tp, checked against the model's shapes (a ValueError that says what would work); by default the size
+    `lockstep serve` would choose on this machine."""
+    from lockstep.device import rank_capacity
+    from lockstep.model.config import ModelConfig
+    from lockstep.parallel.sharding import check_tp_size
+    from lockstep.serve import default_tp
+
+    if not asked:
+        return default_tp(model_dir, rank_capacity())
+    check_tp_size(ModelConfig.from_dir(model_dir), asked)
+    return asked
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--control-plane"]:
@@ -169,14 +184,19 @@ def _bench(argv: list[str]) -> int:
             print(f"lockstep bench: --max-prompt {args.max_prompt} + --max-tokens {args.max_tokens} exceed the "
                   f"model's {positions} positions", file=sys.stderr)
             return 2
-        cfg = BenchConfig(tp=args.tp, page_size=args.page_size, kv_pages=args.kv_pages,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,
-                          api_workers=args.api_workers)
         workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
                                  args.concurrency, vocab, args.seed, args.temperature, args.request_rate)
         if args.url:
             return _external(args, model_dir, workload)
+        try:
+            tp = _tp(model_dir, args.tp)
+        except ValueError as exc:
+            print(f"lockstep bench: {exc}", file=sys.stderr)
+            return 2
+        cfg = BenchConfig(tp=tp, page_size=args.page_size, kv_pages=args.kv_pages,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,
+                          api_workers=args.api_workers)
         log_dir = args.log_dir or scratch / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         raw: dict[str, RunResult] = {}
@@ -224,8 +244,13 @@ def _external(args: argparse.Namespace, model_dir: Path, workload) -> int:
     except ValueError as exc:
         print(f"lockstep bench: {exc}", file=sys.stderr)
         return 2
-    runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup,
-                         sampling=lambda i: sampling_of(workload, i), wait_for=workload.wait_for) for t in targets]
+    try:
+        runs = [run_external(t, prompts, workload.max_tokens, workload.concurrency, args.warmup,
+                             sampling=lambda i: sampling_of(workload, i), wait_for=workload.wait_for)
+                for t in targets]
+    except (OSError, RuntimeError) as exc:  # a warmup request failed: a wrong key, a server not there
+        print(f"lockstep bench: {exc}", file=sys.stderr)
+        return 1
     print(format_runs(runs))
     for run in runs:
         for error in run.errors[:3]:
