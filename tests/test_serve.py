@@ -391,7 +391,9 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_in_one_line_before_any_ra
     elif damage == "positions":
         (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
     elif damage == "rope":  # served, every logit was NaN: token 0 every time, with HTTP 200
-        (model / "config.json").write_text(json.dumps({**config, "rope_theta": 0}))
+        rope = {"rope_parameters": {**config["rope_parameters"], "rope_theta": 0}} if "rope_parameters" in config \
+            else {"rope_theta": 0}
+        (model / "config.json").write_text(json.dumps({**config, **rope}))
     else:
         (model / "tokenizer.json").unlink()
     assert main(["--model", str(model), "--tp", "1", "--port", str(free_port())]) == 2

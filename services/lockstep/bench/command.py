@@ -11,6 +11,7 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from lockstep.bench import __doc__ as bench_doc
 from lockstep.bench.in_process import run_in_process
@@ -146,6 +147,17 @@ def _model_limits(model_dir: Path) -> tuple[int, int]:
     return min(Tokenizer.from_dir(model_dir).vocab_size, config.vocab_size), config.max_position_embeddings
 
 
+def _prepared(args: argparse.Namespace, scratch: Path) -> tuple[Path, Any]:
+    """The model's directory and the workload; a ValueError saying what is wrong with them."""
+    model_dir = build_tiny_model(scratch / "tiny") if args.tiny else _model_dir(args.model)
+    vocab, positions = _model_limits(model_dir)
+    if args.max_prompt + args.max_tokens > positions:
+        raise ValueError(f"--max-prompt {args.max_prompt} + --max-tokens {args.max_tokens} exceed the model's "
+                         f"{positions} positions")
+    return model_dir, make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
+                                    args.concurrency, vocab, args.seed, args.temperature, args.request_rate)
+
+
 def _tp(model_dir: Path, asked: int) -> int:
     """--tp, checked against the model's shapes (a ValueError that says what would work); by default the size
     `lockstep serve` would choose on this machine."""
@@ -175,24 +187,13 @@ def _bench(argv: list[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     try:
         try:
-            model_dir = build_tiny_model(scratch / "tiny") if args.tiny else _model_dir(args.model)
-            vocab, positions = _model_limits(model_dir)
+            model_dir, workload = _prepared(args, scratch)
+            tp = 0 if args.url else _tp(model_dir, args.tp)
         except ValueError as exc:
             print(f"lockstep bench: {exc}", file=sys.stderr)
             return 2
-        if args.max_prompt + args.max_tokens > positions:
-            print(f"lockstep bench: --max-prompt {args.max_prompt} + --max-tokens {args.max_tokens} exceed the "
-                  f"model's {positions} positions", file=sys.stderr)
-            return 2
-        workload = make_workload(args.requests, args.min_prompt, args.max_prompt, args.max_tokens,
-                                 args.concurrency, vocab, args.seed, args.temperature, args.request_rate)
         if args.url:
             return _external(args, model_dir, workload)
-        try:
-            tp = _tp(model_dir, args.tp)
-        except ValueError as exc:
-            print(f"lockstep bench: {exc}", file=sys.stderr)
-            return 2
         cfg = BenchConfig(tp=tp, page_size=args.page_size, kv_pages=args.kv_pages,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,

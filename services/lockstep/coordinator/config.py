@@ -142,8 +142,9 @@ REBALANCE = (
 )
 
 
-API_KEY_HELP = ("an API key clients must send as 'Authorization: Bearer KEY' on /v1/* and /admin/* and as gRPC "
-                "metadata (repeatable; env LOCKSTEP_API_KEY, comma-separated; default: none, an open API)")
+API_KEY_HELP = ("an API key clients must send as 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
+                "/admin/* and as gRPC metadata (repeatable; env LOCKSTEP_API_KEY, comma-separated; default: none, "
+                "an open API)")
 
 
 def parse_groups(items: list[str]) -> dict[str, tuple[str, ...]]:
