@@ -142,4 +142,4 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(path, body):
 
     status, longest = asyncio.run(go())
     assert status in (200, 400)  # 400: longer than the fake model's context, found once tokenized
-    assert longest < alone / 4, (longest, alone)
+    assert longest < max(alone / 4, 0.25), (longest, alone)  # the loop ran on: ticks every few ms, not seconds

@@ -225,11 +225,13 @@ def test_incremental_decoder_concatenation_equals_decode(ours: Tokenizer, ids: l
     assert not any(p.endswith("\ufffd") for p in pieces[:-1])
 
 
-def test_a_character_begun_in_the_prompt_before_special_tokens_is_completed_whole(ours: Tokenizer) -> None:
-    """Found by hypothesis in CI: a prompt's last byte token, three special tokens after it, then the byte that
+@pytest.mark.parametrize("specials", [1, 3, 6, 12])
+def test_a_character_begun_in_the_prompt_before_special_tokens_is_completed_whole(ours: Tokenizer,
+                                                                                    specials: int) -> None:
+    """Found by hypothesis in CI: a prompt's last byte token, special tokens after it, then the byte that
     completes the character streamed U+FFFD; `decode` of it all gives the character."""
-    prompt, ids = [129, 0, 0, 0], [97]
-    assert ours.decode(prompt + ids) == "\u00a1" and ours.decode([0]) == ""
+    prompt, ids = [129] + [0] * specials, [97]
+    assert ours.decode(prompt + ids) == "\u00a1" and ours.decode([0]) == "" and 0 in ours.special_ids
     assert "".join(_stream(ours, ids, prompt)) == "\u00a1"
 
 

@@ -10,6 +10,7 @@ rank at the next step.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 from collections.abc import Iterable
@@ -55,10 +56,12 @@ class _MalformedRequests(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            text = str(exc)
+        if isinstance(exc, HttpProcessingError) and record.levelno > logging.WARNING:  # aiohttp's DEBUG ones stay
+            text = " ".join(str(exc).split())  # one line: the parser's message spans several
+            args = record.args if isinstance(record.args, tuple) else ()
             record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = "refused a malformed HTTP request: %s", (text[:200] + "..." * (len(text) > 200),)
+            record.msg = "refused a malformed HTTP request from %s: %s"
+            record.args = (args[0] if args else "?", text[:200] + "..." * (len(text) > 200))
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -192,7 +195,9 @@ class OpenAIServer:
         if json_field(body, "return_token_strs", (bool,), False):
             # vLLM's convert_ids_to_tokens: the vocabulary's strings ("▁world"), which a one-id decode would strip
             out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
-        return web.json_response(out)
+        if len(ids) <= OFF_LOOP_CHARS:
+            return web.json_response(out)
+        return web.Response(text=await off_loop(json.dumps, out), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize (vLLM's): token ids to their text, special tokens kept, so it inverts /tokenize."""
