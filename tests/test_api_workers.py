@@ -30,6 +30,7 @@ from lockstep.coordinator.frontend_wire import (
     spec_to_proto,
 )
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
+from lockstep.coordinator.metrics import Metrics
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.remote import RemoteCoordinator
 from lockstep.coordinator.request import FinishReason
@@ -103,6 +104,7 @@ class TickingCoordinator:
         self.refuse: ApiError | None = None
         self.up = True
         self.ticks = 0
+        self.metrics = Metrics()
 
     def submit(self, request_id: str, spec: GenerateSpec, queue) -> None:
         if self.refuse is not None:
@@ -591,7 +593,8 @@ def test_a_frontend_that_stops_reading_its_link_has_its_requests_aborted_and_tak
             assert link.out.qsize() == queued  # nothing more is held for it
             late = spec_to_proto(link.link_id, "late", GenerateSpec([1, 2], SamplingParams(), 3))
             answer = await servicer.Submit(late, None)
-            assert error_of(answer).status == 503
+            assert error_of(answer).status == 503 and error_of(answer).code == "frontend_unlinked"
+            assert coord.metrics.requests_rejected.labels("frontend_unlinked")._value.get() == 1  # counted
             reading.set()  # it reads again: what was queued, then the link's end
             await asyncio.wait_for(pump, 30)
             assert not servicer.links and not remote.boxes

@@ -158,9 +158,10 @@ class FrontendLinkServicer(frontend_pb2_grpc.FrontendLinkServicer):
 
     async def Submit(self, request: fpb.SubmitMsg, context: grpc.aio.ServicerContext) -> fpb.SubmitAnswer:
         link = self.links.get(request.link_id)
-        if link is None or link.wedged:
+        if link is None or link.wedged:  # a frontend that is being started again: its clients retry
+            self.coordinator.metrics.requests_rejected.labels("frontend_unlinked").inc()
             return answer_of(ApiError(503, "the frontend's link to the coordinator is not open; retry",
-                                      err_type="service_unavailable"))
+                                      code="frontend_unlinked", err_type="service_unavailable"))
         try:
             link.submit(request.request_id, spec_from_proto(request))
         except WireError as exc:

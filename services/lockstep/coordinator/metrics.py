@@ -33,7 +33,8 @@ rebalance_log = logging.getLogger("lockstep.rebalance")
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-REJECTION_REASONS = ("server_overloaded", "group_unavailable", "request_too_large", "request_id_in_use")
+REJECTION_REASONS = ("server_overloaded", "group_unavailable", "request_too_large", "request_id_in_use",
+                     "frontend_unlinked")
 
 
 class _Series:
@@ -196,7 +197,8 @@ class Metrics:
         self.requests_rejected = Counter(
             "lockstep_requests_rejected_total", "Requests the coordinator refused before queueing them, by the "
             "error code the client got (server_overloaded: past --max-waiting-requests; group_unavailable: no "
-            "group could serve; request_too_large; request_id_in_use)", ["reason"], registry=r,
+            "group could serve; request_too_large; request_id_in_use; frontend_unlinked: an API frontend's link "
+            "was not open)", ["reason"], registry=r,
         )
         for reason in REJECTION_REASONS:
             self.requests_rejected.labels(reason)
