@@ -281,6 +281,27 @@ def test_a_wait_whose_ranks_all_answer_health_checks_blames_every_silent_one():
     assert asyncio.run(main()) == [0, 1]
 
 
+def test_a_wait_that_stalls_and_dies_in_one_check_leaves_the_stalled_gauge_at_zero():
+    """Found by a helper at TP 3 with --dead-rank-timeout 5 (the stall threshold's 5 s): the check that counted
+    the wait as stalled also took the group down, and the gauge it raised was never lowered:
+    lockstep_agreements_stalled stayed 1 after the group recovered, and its alert fired for ever."""
+    from lockstep.coordinator.group_ranks import GroupDown, GroupRanks
+
+    async def main() -> Metrics:
+        metrics = Metrics()
+        ranks = GroupRanks("g0", ["a:1", "a:2"], metrics, stall_threshold=0.3, dead_rank_timeout=0.3)
+        ranks.links = [_Link(0, True), _Link(1, False)]
+        try:
+            await asyncio.wait_for(ranks.gather(5), 5)
+        except GroupDown:
+            return metrics
+        raise AssertionError("the wait did not end the group")
+
+    metrics = asyncio.run(main())
+    assert metrics.agreement_stalls.labels("g0")._value.get() == 1  # it was counted as a stall
+    assert metrics.agreements_stalled.labels("g0")._value.get() == 0  # and is no longer one
+
+
 class _SlowLink(_Link):
     async def responsive(self, timeout: float = 1.0) -> bool:
         await asyncio.sleep(timeout)

@@ -230,7 +230,10 @@ class GroupRanks:
                 try:
                     rank, item = await asyncio.wait_for(self.inbox.get(), POLL_S)
                 except TimeoutError:
-                    stalled = await self._check_wait(wait, stalled)
+                    stalled, dead = await self._check_wait(wait, stalled)
+                    if dead:  # after `stalled` is set: the gauge a stall raised is lowered below
+                        raise GroupDown(f"rank(s) {dead} of group {self.name} silent for "
+                                        f"{self.dead_rank_timeout:.0f} s at step {wait.step}", dead) from None
                     continue
                 if isinstance(item, str):
                     raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
@@ -246,9 +249,10 @@ class GroupRanks:
                             time.monotonic() - wait.started_at)
         return wait.reports()
 
-    async def _check_wait(self, wait: AgreementWait, stalled: bool) -> bool:
-        """A wait that has gone on too long: counted and logged once past the stall threshold, and the
-        group goes down past the dead-rank timeout. Returns whether the wait is counted as stalled."""
+    async def _check_wait(self, wait: AgreementWait, stalled: bool) -> tuple[bool, list[int]]:
+        """A wait that has gone on too long: counted and logged once past the stall threshold; past the
+        dead-rank timeout, the ranks to blame for taking the group down. Returns (whether the wait is
+        counted as stalled, those ranks: none while the group may wait on)."""
         now = time.monotonic()
         if not stalled and wait.stalled(now, self.stall_threshold):
             missing = wait.missing()
@@ -261,9 +265,7 @@ class GroupRanks:
         dead = wait.dead(now, self.dead_rank_timeout)
         if dead:  # a rank stopped mid-step holds its live peers in the collective: blame the processes that are gone
             dead = await self._not_answering(dead) or dead
-            raise GroupDown(f"rank(s) {dead} of group {self.name} silent for {self.dead_rank_timeout:.0f} s at "
-                            f"step {wait.step}", dead)
-        return stalled
+        return stalled, dead
 
     def poke_survivors(self, dead: list[int], step: int) -> None:
         """Send the ranks still up one empty plan. Its agreement collective cannot complete without the
