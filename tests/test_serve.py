@@ -135,6 +135,23 @@ def test_serve_runs_a_group_and_stops_all_of_it(tiny_llama, tmp_path):
         assert not alive, "ranks outlived lockstep serve"
 
 
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP])
+def test_ranks_stop_when_lockstep_serve_is_gone_however_it_died(tiny_llama, tmp_path, how):
+    """Found by a helper: `lockstep serve` killed (-9), or hung up on with its terminal (SIGHUP, which its ranks,
+    in sessions of their own, never got), left its ranks running with the model loaded (1.4 GB each at TP 3, for
+    ever). A rank started by serve now stops once the process that started it is gone."""
+    with _serving(tmp_path, "--model", str(tiny_llama), "--kv-pages", "64", "--threads", "1") as (proc, port, log):
+        _wait_healthy(proc, port, log)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        assert len(ranks) == 2
+        proc.send_signal(how)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(ranks, timeout=20)
+        for r in alive:
+            r.kill()
+        assert not alive, "ranks outlived lockstep serve"
+
+
 def _sse_tokens(text: str) -> list[int]:
     ids = []
     for line in text.splitlines():

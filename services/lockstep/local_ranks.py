@@ -7,6 +7,7 @@ same flags, so what they measure and serve is what a cluster runs.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -70,7 +71,8 @@ class LocalRanks:
 
     def start(self) -> None:
         rendezvous = f"127.0.0.1:{free_port()}"
-        self.procs = [subprocess.Popen(cmd, env=self.env, start_new_session=True) for cmd in self.commands(rendezvous)]
+        env = {**self.env, "LOCKSTEP_PARENT_PID": str(os.getpid())}  # each rank stops once this process is gone
+        self.procs = [subprocess.Popen(cmd, env=env, start_new_session=True) for cmd in self.commands(rendezvous)]
         self.whole = False
 
     def mark_whole(self) -> None:

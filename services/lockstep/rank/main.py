@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -214,6 +215,10 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             raise _Terminated()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if parent.isdigit():
+        threading.Thread(target=_watch_parent, args=(int(parent), cfg.rank), daemon=True,
+                         name="parent-watch").start()
     broken: list[str] = []
 
     def on_fatal(why: str) -> None:
@@ -255,6 +260,20 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("rank %d: stopped after step %d", cfg.rank, servicer.last_step)
+
+
+PARENT_PID_ENV = "LOCKSTEP_PARENT_PID"  # set by `lockstep serve`: the process whose ranks these are
+PARENT_POLL_S = 1.0
+
+
+def _watch_parent(pid: int, rank: int) -> None:
+    """Stop the rank (SIGTERM to itself, the graceful way) once the process that started it is gone: `lockstep
+    serve` killed (-9), or hung up on (its ranks run in sessions of their own, so its terminal's SIGHUP never
+    reaches them), would otherwise leave them running with the model loaded, for ever."""
+    while os.getppid() == pid:
+        time.sleep(PARENT_POLL_S)
+    log.error("rank %d: the process that started it (pid %d) is gone; shutting down", rank, pid)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
