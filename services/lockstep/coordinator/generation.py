@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 from lockstep.coordinator.endings import StopReason, prompt_only, stop_after, stop_reason
 from lockstep.coordinator.request import FinishReason
+from lockstep.model.config import json_integer
 from lockstep.steps import SamplingParams, TokenLogprobs
 from lockstep.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -201,8 +202,7 @@ def _logit_bias_json(body: Mapping[str, Any]) -> dict[int, float] | None:
 
 
 def is_json_integer(value: object) -> bool:
-    """A JSON integer (8.0 included, as JSON Schema reads it; true is not one)."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    return json_integer(value) is not None  # 8.0 is one, as JSON Schema reads it; true is not
 
 
 @dataclass(frozen=True)

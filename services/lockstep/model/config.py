@@ -345,7 +345,7 @@ def _ids(d: dict[str, Any]) -> dict[str, Any]:
     """bos, eos ids and the checkpoint's name: the ModelConfig fields every family reads the same way."""
     bos = d.get("bos_token_id")
     if bos is not None:
-        bos = _integer(bos)
+        bos = json_integer(bos)
         if bos is None or bos < 0:
             raise UnsupportedModelError(f"config.json's 'bos_token_id' must be a token id, not {d['bos_token_id']!r}")
     return {"bos_token_id": bos, "eos_token_ids": token_ids(d.get("eos_token_id"), "config.json's 'eos_token_id'"),
@@ -355,14 +355,15 @@ def _ids(d: dict[str, Any]) -> dict[str, Any]:
 def token_ids(value: Any, where: str) -> tuple[int, ...]:
     """An `eos_token_id` as a tuple: one id, a list of them, or none; a token's text there is named, not cast."""
     ids = value if isinstance(value, list) else ([] if value is None else [value])
-    out = [_integer(i) for i in ids]
+    out = [json_integer(i) for i in ids]
     if any(i is None or i < 0 for i in out):
         raise UnsupportedModelError(f"{where} must be a token id or a list of them, not {value!r}")
     return tuple(out)  # type: ignore[arg-type]  # None refused above
 
 
-def _integer(value: Any) -> int | None:
-    """A JSON integer (30 or 30.0) as an int; None for anything else (a string, true, 2.5)."""
+def json_integer(value: Any) -> int | None:
+    """A JSON integer (30 or 30.0, as JSON Schema reads it) as an int; None for anything else (a string, true,
+    2.5): config files and API request bodies are read by the same rule."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     if isinstance(value, float) and not value.is_integer():
@@ -373,7 +374,7 @@ def _integer(value: Any) -> int | None:
 def _int(d: dict[str, Any], key: str) -> int:
     if key not in d:
         raise UnsupportedModelError(f"config.json has no {key!r}")
-    value = _integer(d[key])
+    value = json_integer(d[key])
     if value is None:
         raise UnsupportedModelError(f"config.json's {key!r} must be an integer, not {d[key]!r}")
     return value
