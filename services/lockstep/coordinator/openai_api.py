@@ -41,7 +41,7 @@ from lockstep.coordinator.openai_fields import (
 )
 from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
-from lockstep.coordinator.prompt_encoding import OFF_LOOP_CHARS, encode_prompt, off_loop
+from lockstep.coordinator.prompt_encoding import encode_prompt, off_loop
 from lockstep.coordinator.request_events import settled
 
 log = logging.getLogger("lockstep.api")
@@ -195,9 +195,7 @@ class OpenAIServer:
         if json_field(body, "return_token_strs", (bool,), False):
             # vLLM's convert_ids_to_tokens: the vocabulary's strings ("▁world"), which a one-id decode would strip
             out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
-        if len(ids) <= OFF_LOOP_CHARS:
-            return web.json_response(out)
-        return web.Response(text=await off_loop(json.dumps, out), content_type="application/json")
+        return web.Response(text=await off_loop(len(ids), json.dumps, out), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize (vLLM's): token ids to their text, special tokens kept, so it inverts /tokenize."""
@@ -217,9 +215,7 @@ class OpenAIServer:
         render = functools.partial(self.frontend.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt)
         try:
-            if sum(len(str(m.get("content", ""))) for m in messages) + len(messages) <= OFF_LOOP_CHARS:
-                return render()
-            return await off_loop(render)
+            return await off_loop(sum(len(str(m.get("content", ""))) for m in messages) + len(messages), render)
         except ValueError as exc:
             raise ApiError(400, f"the chat template could not be applied: {exc}", "messages") from exc
 
