@@ -1,11 +1,13 @@
 """Tiny random Hugging Face checkpoints, made at test time, with a real tokenizer that fits the vocab.
 
-Kinds (all fp32, hidden 64, vocab 384):
+Kinds (all fp32, hidden 64 unless said, vocab 384):
 - "llama_gqa": Llama, 4 heads / 2 KV heads, llama3 RoPE scaling, saved in several safetensors shards
   with an index (so sharded loading is exercised).
 - "qwen2_bias_tied": Qwen2 (q/k/v bias) with tied embeddings.
 - "sliding": Qwen2 with sliding_window 8 and layer_types mixing sliding and full attention, and a single
   KV head (replicated across ranks at TP 2).
+- "llama_tp3": Llama, hidden 96, 6 heads / 3 KV heads, intermediate 96: a model that splits three ways, as the
+  built-in does (TP 3 is what `lockstep serve` runs on a small machine).
 Weights are drawn so that norms and biases are far from their defaults: a bug that ignores a bias or a
 norm weight changes the logits.
 """
@@ -31,7 +33,7 @@ The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor 
 How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow.
 0123456789 + - * / = ( ) [ ] { } < > ; : , . ? ! ' " @ # $ % ^ & _ ~ `
 """
-KINDS = ("llama_gqa", "qwen2_bias_tied", "sliding")
+KINDS = ("llama_gqa", "qwen2_bias_tied", "sliding", "llama_tp3")
 
 
 def _tokenizer(path: Path) -> tuple[int, int]:
@@ -78,6 +80,9 @@ def _config(kind: str, bos: int, eos: int):
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope, **common)
+    if kind == "llama_tp3":
+        return LlamaConfig(**{**common, "hidden_size": 96, "num_attention_heads": 6, "intermediate_size": 96},
+                           num_hidden_layers=2, num_key_value_heads=3)
     if kind == "qwen2_bias_tied":
         return Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True, **common)
     if kind == "sliding":
