@@ -26,12 +26,12 @@ PINNED = {
     "lockstep_rebalances_total", "lockstep_requests_migrated_total", "lockstep_requests_dropped_total",
     "lockstep_routing_decisions_total", "lockstep_rank_pool_pages", "lockstep_routing_expected_hit_tokens_total",
     "lockstep_routing_agreed_hit_tokens_total", "lockstep_coordinator_seconds_total",
-    "lockstep_requests_rejected_total",
+    "lockstep_requests_rejected_total", "lockstep_prefix_cache_queried_tokens_total",
 }
 # exported beyond DESIGN.md's pinned contract, documented in the README
 OURS = {"lockstep_rank_pool_pages", "lockstep_routing_expected_hit_tokens_total",
         "lockstep_routing_agreed_hit_tokens_total", "lockstep_coordinator_seconds_total",
-        "lockstep_requests_rejected_total"}
+        "lockstep_requests_rejected_total", "lockstep_prefix_cache_queried_tokens_total"}
 HISTOGRAMS = {"lockstep_agreement_wait_seconds", "lockstep_time_to_first_token_seconds",
               "lockstep_inter_token_latency_seconds", "lockstep_request_duration_seconds",
               "lockstep_step_duration_seconds"}

@@ -18,6 +18,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from datetime import datetime
+from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
@@ -105,8 +106,23 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=g).tolist()
 
 
+CANCELLED = 6  # streams of the shared prompt whose client hangs up after the first token
+FINISHED = 5
+
+
+def cancel_after_first_token(group: Cluster, tokens: list[int]) -> None:
+    conn = HTTPConnection("127.0.0.1", group.http_port, timeout=60)
+    body = {"prompt": tokens, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")
+    conn.close()
+
+
 def send_traffic(group: Cluster) -> None:
-    """A repeated prompt (the prefix cache hits), a few others, then flush rank 1 so its free pages differ."""
+    """A repeated prompt (the prefix cache hits), streams of it cancelled after their first token (hits of
+    requests that never finish), a few others, then flush rank 1 so its free pages differ."""
     def complete(tokens: list[int], n: int) -> dict:
         status, body = group.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True})
         assert status == 200, body
@@ -115,6 +131,9 @@ def send_traffic(group: Cluster) -> None:
     shared = prompt(1, 40)
     complete(shared, 6)
     assert complete(shared, 6)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    for _ in range(CANCELLED):
+        cancel_after_first_token(group, shared)
+    group.assert_request_table_empty()
     for seed in (2, 3):
         complete(prompt(seed, 20 + 7 * seed), 5)
     status, body = http("POST", group.url + "/admin/reset_prefix_cache?rank=1")
@@ -316,9 +335,13 @@ def test_traffic_shows_on_the_panels(live: Live) -> None:
         assert title in by_title, f"no panel {title!r}"
         return [float(s["value"][1]) for e in by_title[title] for s in live.prom.query(e, live.at)]
 
-    assert min(values("Request rate")) > 0
+    accepted, finished = values("Request rate")
+    assert accepted > finished > 0
+    assert accepted / finished == pytest.approx((FINISHED + CANCELLED) / FINISHED, rel=0.05)  # same window
     assert min(values("Tokens/s")) > 0
-    assert min(values("Prefix-cache hit rate")) > 0
+    # every admission's hits over its tokens: cancelled streams count in both (once over 1: hits of every
+    # admission over the prompts of finished requests)
+    assert 0 < min(values("Prefix-cache hit rate")) <= max(values("Prefix-cache hit rate")) < 1
     assert max(values("Free-page skew per group")) > 0
     assert values("Ranks up") == [2.0]
 

@@ -402,6 +402,7 @@ def test_identical_prompts_arriving_together_compute_the_prompt_once():
     assert computed_tokens(g.plans) == {"n-0": 22 + 2, "n-1": 2 + 2, "n-2": 2 + 2, "n-3": 2 + 2}
     assert [r.cached_tokens for r in reqs] == [0, 20, 20, 20]
     assert sched.stats.prefix_hit_tokens == 3 * 20 and sched.stats.deferred["prefix_pending"] == 3
+    assert sched.stats.prefix_queried_tokens == 4 * len(PROMPT)  # the hit rate's denominator, at admission
     for r in reqs:
         assert r.generated == reference(r) and r.finish_reason == "length"
 

@@ -95,6 +95,7 @@ class Admitting:
             req.cached_tokens = prefix
         self.stats.prefix_agreed_pages += agreed
         self.stats.prefix_hit_tokens += prefix
+        self.stats.prefix_queried_tokens += req.num_tokens
         req.status = RequestStatus.RUNNING
         req.num_computed = prefix
         self.running.append(req)

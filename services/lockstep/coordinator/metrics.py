@@ -167,6 +167,10 @@ class Metrics:
             "lockstep_prefix_cache_hit_tokens_total", "Prompt tokens skipped thanks to the prefix cache",
             ["group"], registry=r,
         )
+        self.prefix_queried_tokens = Counter(  # counted where the hits are: hits / queried is the hit rate
+            "lockstep_prefix_cache_queried_tokens_total", "Tokens of the requests admitted (a preempted one's "
+            "again), the prefix cache hit rate's denominator", ["group"], registry=r,
+        )
         self.step_duration = Histogram(
             "lockstep_step_duration_seconds", "Wall time of one step of a group", ["group"],
             buckets=WAIT_BUCKETS, registry=r,
@@ -232,9 +236,9 @@ class Metrics:
         for hist in (self.ttft, self.request_duration, self.step_duration):
             hist.labels(group)
         self.itl.add_group(group)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.rebalances,
-                        self.requests_migrated, self.requests_dropped, self.routing_expected_hit_tokens,
-                        self.routing_agreed_hit_tokens):
+        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.prefix_queried_tokens,
+                        self.rebalances, self.requests_migrated, self.requests_dropped,
+                        self.routing_expected_hit_tokens, self.routing_agreed_hit_tokens):
             counter.labels(group)
         for reason in ROUTING_REASONS:
             self.routing_decisions.labels(group, reason)
@@ -280,6 +284,7 @@ class Metrics:
         self.preemptions.labels(group).inc(stats.preemptions - last.preemptions)
         self.prefix_agreed.labels(group).inc(stats.prefix_agreed_pages - last.prefix_agreed_pages)
         self.prefix_hit_tokens.labels(group).inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)
+        self.prefix_queried_tokens.labels(group).inc(stats.prefix_queried_tokens - last.prefix_queried_tokens)
         for rank, (now, before) in enumerate(zip(stats.prefix_offered_pages, last.prefix_offered_pages, strict=True)):
             self.prefix_offered.labels(group, str(rank)).inc(now - before)
         for reason, n in stats.deferred.items():

@@ -49,6 +49,7 @@ class SchedulerStats:
     prefix_offered_pages: list[int] = field(default_factory=list)
     prefix_agreed_pages: int = 0
     prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0  # the tokens of every admission (hits are a share of them)
     failed_steps: int = 0
 
 
