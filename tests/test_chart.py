@@ -17,7 +17,7 @@ import yaml
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
 
 from lockstep.coordinator.auth import parse_api_keys  # noqa: E402
-from lockstep_operator.crd import build_crd, strict_schema  # noqa: E402
+from lockstep_operator.crd import build_crd, strict_schema, with_spec_schema  # noqa: E402
 from lockstep_operator.resource import MAX_NAME_LENGTH, SpecError, check_name, normalize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -451,7 +451,41 @@ def test_values_schema_refuses_what_is_not_a_duration(interval: str) -> None:
     ({"operator": {"replicas": 2}}, "replicas"),
     ({"monitoring": {"serviceMonitor": {"interval": "often"}}}, "interval"),
     ({"unknownKey": 1}, "unknownKey"),
+    ({"deployment": {"spec": {"tensorParalelSize": 2}}}, "tensorParalelSize"),  # the API server would prune it
+    ({"deployment": {"spec": {"env": [{"value": "x"}]}}}, "name"),  # Kubernetes refuses it in the pod spec
+    ({"deployment": {"spec": {"volumeMounts": [{"name": "data"}]}}}, "mountPath"),
+    ({"deployment": {"spec": {"tls": {"enabled": True, "secretNam": "t"}}}}, "secretNam"),
 ])
 def test_values_schema_refuses_bad_values(values: dict, field: str) -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=field):
         chart.validate_schema(values)
+
+
+def test_values_schema_spec_is_the_resources_own() -> None:
+    """`deployment.spec` in values.schema.json is generated from the CRD (`python -m lockstep_operator.crd
+    --values-schema`), with unknown fields refused: a chart value the resource would lose never installs."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema == with_spec_schema(schema)
+
+
+def test_extra_labels_override_the_charts_own_and_each_key_appears_once() -> None:
+    """A label given in values that the chart sets too (the Grafana sidecar's `grafana_dashboard`, a chart label)
+    is written once, with the value given: a duplicate key in one map is refused by Flux and kustomize."""
+    values = {"monitoring": {"dashboard": {"labels": {"grafana_dashboard": "lockstep", "team": "ml"}},
+                             "serviceMonitor": {"enabled": True, "labels": {"app.kubernetes.io/name": "x"}},
+                             "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}}}
+    for template, key, value in (("dashboard.yaml", "grafana_dashboard", "lockstep"),
+                                 ("servicemonitor.yaml", "app.kubernetes.io/name", "x"),
+                                 ("prometheusrule.yaml", "release", "kps")):
+        text = chart_text(values, template)
+        metadata = re.split(r"\n(spec|data):", text)[0]
+        assert metadata.count(f"{key}:") == 1, metadata
+        labels = yaml.safe_load(text)["metadata"]["labels"]
+        assert labels[key] == value and labels["app.kubernetes.io/instance"] == "demo"
+    assert yaml.safe_load(chart_text(values, "dashboard.yaml"))["metadata"]["labels"]["team"] == "ml"
+    assert yaml.safe_load(chart_text({}, "dashboard.yaml"))["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def chart_text(values: dict, template: str) -> str:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values, name="demo", namespace="ml", is_install=True)[f"lockstep/templates/{template}"]

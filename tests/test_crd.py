@@ -152,6 +152,10 @@ BAD_SPECS = [
     ({"imagePullSecrets": [{}]}, "name"),
     ({"imagePullSecrets": [{"name": ""}]}, "name"),
     ({"imagePullSecrets": ["regcred"]}, "imagePullSecrets"),
+    ({"env": [{"value": "x"}]}, "name"),
+    ({"env": [{"name": ""}]}, "name"),
+    ({"volumes": [{"emptyDir": {}}]}, "name"),
+    ({"volumeMounts": [{"name": "data"}]}, "mountPath"),
 ]
 
 

@@ -1,7 +1,9 @@
 """The LockstepDeployment CustomResourceDefinition, built in Python.
 
 This is the single source of the resource's schema: the chart's `crds/` file is generated from it
-(`python -m lockstep_operator.crd > helm/lockstep/crds/lockstepdeployments.yaml`, checked by a test),
+(`python -m lockstep_operator.crd > helm/lockstep/crds/lockstepdeployments.yaml`, checked by a test), and so is
+`deployment.spec` in the chart's values.schema.json (`python -m lockstep_operator.crd --values-schema FILE`
+rewrites it there), so a misspelt field fails `helm install` instead of being pruned by the API server;
 and the operator's own defaults (`resource.py`) are read from it, so the API server, the chart and
 the operator can never disagree on a default or a range.
 """
@@ -9,6 +11,7 @@ the operator can never disagree on a default or a range.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from typing import Any
 
@@ -59,11 +62,15 @@ def _obj(properties: dict[str, Schema], default: Any = None, description: str = 
     return s
 
 
-def _opaque(kind: str, description: str) -> Schema:
-    """A field holding a core Kubernetes type, passed through to the pod spec as given."""
+def _opaque(kind: str, description: str, required: tuple[str, ...] = ()) -> Schema:
+    """A field holding a core Kubernetes type, passed through to the pod spec as given; an array's items must
+    hold the `required` strings, so an item Kubernetes would refuse in the pod spec is refused in the resource
+    itself (at `kubectl apply` or `helm install`), not later in the operator's event."""
     if kind == "array":
-        return {"type": "array", "description": description,
-                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+        item: Schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        if required:
+            item |= {"required": list(required), "properties": {name: _str(min_length=1) for name in required}}
+        return {"type": "array", "description": description, "items": item}
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
@@ -238,9 +245,9 @@ def spec_schema() -> Schema:
                                            "effect": _str(enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
                                            "tolerationSeconds": _int()})},
             "affinity": _opaque("object", "Affinity for rank pods."),
-            "env": _opaque("array", "Extra EnvVars for every container."),
-            "volumes": _opaque("array", "Extra Volumes for rank and coordinator pods."),
-            "volumeMounts": _opaque("array", "Extra VolumeMounts for every container."),
+            "env": _opaque("array", "Extra EnvVars for every container.", ("name",)),
+            "volumes": _opaque("array", "Extra Volumes for rank and coordinator pods.", ("name",)),
+            "volumeMounts": _opaque("array", "Extra VolumeMounts for every container.", ("name", "mountPath")),
         },
     )
     spec["x-kubernetes-validations"] = [{
@@ -370,5 +377,33 @@ def strict_schema(schema: Schema | None = None) -> Schema:
     return out
 
 
+def with_spec_schema(values_schema: Schema) -> Schema:
+    """The chart's values schema with `deployment.spec` the resource's spec schema, unknown fields refused."""
+    out = copy.deepcopy(values_schema)
+    out["properties"]["deployment"]["properties"]["spec"] = _draft7(strict_schema()["properties"]["spec"])
+    return out
+
+
+def _draft7(schema: Any) -> Any:
+    """OpenAPI 3.0's schema as JSON Schema draft 7 (Helm's): an exclusive bound is the bound itself, not a flag."""
+    if isinstance(schema, list):
+        return [_draft7(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _draft7(v) for k, v in schema.items()}
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if out.get(flag) is True:
+            out[flag] = out.pop(bound)
+        elif out.get(flag) is False:
+            del out[flag]
+    return out
+
+
 if __name__ == "__main__":
-    sys.stdout.write(crd_yaml())
+    if sys.argv[1:2] == ["--values-schema"]:
+        from pathlib import Path
+
+        path = Path(sys.argv[2])
+        path.write_text(json.dumps(with_spec_schema(json.loads(path.read_text())), indent=2) + "\n")
+    else:
+        sys.stdout.write(crd_yaml())

@@ -97,12 +97,13 @@ def _check_fields(schema: Schema, value: dict[str, Any], path: str) -> None:
         if key not in value:
             raise SpecError(f"{path}.{key}: is required")
     props = schema.get("properties")
-    if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+    if props is not None:
         unknown = sorted(set(value) - set(props))
-        if unknown:
+        if unknown and not schema.get("x-kubernetes-preserve-unknown-fields"):
             raise SpecError(f"{path}: unknown field(s) {', '.join(unknown)}")
         for key, item in value.items():
-            _check(props[key], item, f"{path}.{key}")
+            if key in props:  # the others are preserved as given (a core Kubernetes type's)
+                _check(props[key], item, f"{path}.{key}")
     elif "additionalProperties" in schema:
         for key, item in value.items():
             _check(schema["additionalProperties"], item, f"{path}.{key}")

@@ -37,6 +37,15 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/*
+The chart's labels with extra ones (a list: the root context, then a dict): one key each, an extra label
+overriding the chart's of the same name (a duplicate key is refused by Flux and kustomize).
+*/}}
+{{- define "lockstep.labelsWith" -}}
+{{- $base := include "lockstep.labels" (index . 0) | fromYaml -}}
+{{- toYaml (merge (deepCopy (index . 1 | default dict)) $base) -}}
+{{- end -}}
+
 {{- define "lockstep.operatorSelector" -}}
 app.kubernetes.io/name: lockstep
 app.kubernetes.io/instance: {{ .Release.Name }}
