@@ -671,3 +671,14 @@ def test_a_frontend_is_killed_once_its_heartbeats_stop_and_a_starting_one_has_it
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_frontends_get_the_api_keys_but_not_the_ranks_group_token():
+    """A frontend talks only to its coordinator: the ranks' token (found by a helper in its environment) stays
+    with the coordinator."""
+    from lockstep.coordinator.api_workers import frontend_env
+
+    parent = {"PATH": "/bin", "LOCKSTEP_GROUP_TOKEN": "s3cret", "LOCKSTEP_GROUP_TOKEN_FILE": "/run/token"}
+    env = frontend_env(parent, ["k1", "k2"])
+    assert env == {"PATH": "/bin", "LOCKSTEP_API_KEY": "k1,k2"}
+    assert parent["LOCKSTEP_GROUP_TOKEN"] == "s3cret"  # the coordinator's own is untouched

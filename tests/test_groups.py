@@ -83,6 +83,7 @@ def test_a_new_coordinator_catches_up_a_rank_left_one_step_behind(tiny_llama, tm
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step == step
+        sent.set()  # the killed coordinator's side of its stream ends (its process is gone): the rank is free
         c.start_coordinator()
         c.wait_healthy(timeout=60)
         assert complete(c, prompt(3, 20), 4)["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

@@ -1,7 +1,8 @@
 """The reconnect race, made to happen on purpose: old plans against the coordinator's read of `last_step`.
 
 A coordinator that (re)connects to a group reads each rank's `last_step` and plans the step after it. Plans
-still queued on an older Step stream (the previous coordinator's, or this one's before a reconnect) must
+still queued on an older Step stream (this coordinator's before a reconnect; another's live stream makes the
+ranks refuse this one's, `test_second_coordinator.py`) must
 not run after that read, or some ranks move past the step the coordinator believes they are at; the next
 plan then collides with the old one on those ranks only, and the group splits. `GroupRanks.connect`
 prevents it by having every rank take over a new stream (which ends the old ones) before the Info read
@@ -31,10 +32,12 @@ import pytest
 
 from lockstep.coordinator.group_ranks import GroupRanks
 from lockstep.coordinator.metrics import Metrics
+from lockstep.coordinator.rank_link import COORDINATOR_ID
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank.service import RankServer, RankServicer
 from lockstep.steps import Plan, RankInfo, Report, StepGate
+from lockstep.stream_metadata import COORDINATOR_METADATA
 from lockstep.wire import plan_to_proto, report_from_proto
 
 HELD_STEP = 5
@@ -95,10 +98,12 @@ class Scenario:
         self.old_ended = [threading.Event(), threading.Event()]
 
     def start_old_streams(self) -> None:
-        """The old coordinator's streams: step 5 (held in the engine) and step 6 queued behind it."""
+        """This coordinator's streams before its reconnect (so named as its own: another coordinator's live
+        stream would make the ranks refuse its new ones): step 5 (held in the engine) and step 6 behind it."""
         for r, channel in enumerate(self.old_channels):
             plans = iter([plan_to_proto(Plan(step=HELD_STEP)), plan_to_proto(OLD_PLAN)])
-            stream = rank_pb2_grpc.RankServiceStub(channel).Step(_then_wait(plans, self.old_ended[r]), timeout=30)
+            stream = rank_pb2_grpc.RankServiceStub(channel).Step(_then_wait(plans, self.old_ended[r]), timeout=30,
+                                                                 metadata=((COORDINATOR_METADATA, COORDINATOR_ID),))
             threading.Thread(target=self._read_old, args=(r, stream), daemon=True).start()
         for engine, at_gate in zip(self.engines, self.at_gate, strict=True):
             assert engine.entered.wait(SETTLE_S) and at_gate.wait(SETTLE_S)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -27,6 +28,7 @@ import grpc
 from lockstep.coordinator.config import CoordinatorConfig
 from lockstep.coordinator.frontend_link import FrontendLinkServicer, Link, start_link
 from lockstep.coordinator.service import Coordinator
+from lockstep.rank_auth import TOKEN_ENV, TOKEN_FILE_ENV
 
 log = logging.getLogger("lockstep.api_workers")
 START_TIMEOUT_S = 120.0  # for every frontend to import, load the tokenizer and open its link
@@ -55,6 +57,14 @@ def reserve(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def frontend_env(parent: Mapping[str, str], api_keys: Sequence[str]) -> dict[str, str]:
+    """A frontend's environment: the API keys (by environment, never on a command line), and not the ranks'
+    group token, which a frontend never uses (it talks only to this coordinator)."""
+    env = {k: v for k, v in parent.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    env["LOCKSTEP_API_KEY"] = ",".join(api_keys)
+    return env
 
 
 class ApiWorkers:
@@ -98,7 +108,7 @@ class ApiWorkers:
 
     def _spawn(self, slot: int | None) -> None:
         c = self.config
-        env = dict(os.environ, LOCKSTEP_API_KEY=",".join(c.api_keys))  # by environment, never on a command line
+        env = frontend_env(os.environ, c.api_keys)
         proc = subprocess.Popen(
             [sys.executable, "-m", "lockstep.coordinator.remote", "--link", self.address, "--model",
              str(self.model_dir), "--host", c.host, "--port", str(c.http_port), "--shutdown-grace",

@@ -188,7 +188,7 @@ class GroupRunner:
 
     async def _lifecycle(self) -> None:
         while True:
-            infos = await self.ranks.connect(self._waiting)
+            infos = await self.ranks.connect(self._waiting, self._unusable)
             try:
                 self.scheduler = self.make_scheduler(infos)
             except ValueError as exc:
@@ -199,6 +199,15 @@ class GroupRunner:
             self._come_up(infos)
             await self._loop()
             self.ready.clear()
+
+    def _unusable(self, infos: list[RankInfo]) -> str:
+        """Why this coordinator cannot serve these ranks (page size, model, pools), checked before it opens
+        their Step streams; "" when it can."""
+        try:
+            self.make_scheduler(infos)
+        except ValueError as exc:
+            return f"group {self.name} cannot be served: {exc}"
+        return ""
 
     def _waiting(self, why: str) -> None:
         """/health says why the group is not serving now, and what took it down last."""

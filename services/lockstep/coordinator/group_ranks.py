@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 
@@ -18,10 +19,11 @@ import grpc
 
 from lockstep import wire
 from lockstep.coordinator.metrics import Metrics
-from lockstep.coordinator.rank_link import RankLink
+from lockstep.coordinator.rank_link import COORDINATOR_ID, RankLink
 from lockstep.coordinator.waits import AgreementWait
 from lockstep.rank_auth import RankClientAuth
 from lockstep.steps import Plan, RankInfo, Report
+from lockstep.stream_metadata import STREAM_TAKEN_METADATA
 
 log = logging.getLogger("lockstep.group")
 
@@ -67,9 +69,10 @@ class GroupRanks:
     """The rank links of one group and the inbox their reports (or the reasons their streams ended) land in."""
 
     def __init__(self, name: str, addresses: list[str], metrics: Metrics, stall_threshold: float,
-                 dead_rank_timeout: float, rank_auth: RankClientAuth | None = None) -> None:
+                 dead_rank_timeout: float, rank_auth: RankClientAuth | None = None,
+                 coordinator_id: str = COORDINATOR_ID) -> None:
         self.name = name
-        self.links = [RankLink(r, a, rank_auth) for r, a in enumerate(addresses)]
+        self.links = [RankLink(r, a, rank_auth, coordinator_id) for r, a in enumerate(addresses)]
         self.metrics = metrics
         self.stall_threshold = stall_threshold
         self.dead_rank_timeout = dead_rank_timeout
@@ -79,12 +82,18 @@ class GroupRanks:
     def __len__(self) -> int:
         return len(self.links)
 
-    async def connect(self, waiting: Callable[[str], None]) -> list[RankInfo]:
+    async def connect(self, waiting: Callable[[str], None],
+                      unusable: Callable[[list[RankInfo]], str] = lambda infos: "") -> list[RankInfo]:
         """Wait until every rank answers as one group (all fresh, or all at the same step), catching up
-        ranks a dead coordinator left one step behind; `waiting(why)` hears each new reason to wait."""
+        ranks a dead coordinator left one step behind; `waiting(why)` hears each new reason to wait.
+        Ranks this coordinator cannot serve (`unusable(infos)` says why) get no Step stream from it: a stream
+        would take them from a coordinator that can."""
         said = ""
         while True:
             infos, why = await self._infos()
+            refused = ""
+            if not why and len(infos) == len(self.links) and not inconsistent(infos, len(self.links)):
+                why = refused = unusable(infos)
             if not why:  # supersede older streams first, so no plan still queued on them runs after this read
                 why = await self._open_streams()
             if not why:
@@ -97,10 +106,11 @@ class GroupRanks:
             if not why:
                 break
             if why != said:
-                log.info("group %s: waiting for its ranks: %s", self.name, why)
+                log.log(logging.ERROR if refused else logging.INFO, "group %s: waiting for its ranks: %s",
+                        self.name, why)
                 waiting(why)
                 said = why
-            await asyncio.sleep(RECONNECT_S)
+            await asyncio.sleep(RECONNECT_S * random.uniform(1.0, 2.0))  # two coordinators do not retry in step
         return infos
 
     async def _open_streams(self) -> str:
@@ -119,8 +129,18 @@ class GroupRanks:
                 log.warning("group %s: rank %d at %s did not acknowledge its new Step stream in %g s (a rank "
                             "older than this coordinator?); reading its step anyway", self.name, link.rank,
                             link.address, STREAM_ACK_S)
-            elif isinstance(ack.exception(), grpc.aio.AioRpcError):
-                return f"rank {link.rank} at {link.address} refused a new Step stream ({ack.exception().code().name})"
+                continue
+            if isinstance(ack.exception(), grpc.aio.AioRpcError):
+                code, details = ack.exception().code(), ack.exception().details()
+            elif STREAM_TAKEN_METADATA not in tuple(ack.result() or ()):  # ended before it was taken
+                code, details = await link.call.code(), await link.call.details()
+            else:
+                continue
+            for other in self.links:  # all or none: a rank held while another refuses helps no coordinator
+                other.stop()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                return details
+            return f"rank {link.rank} at {link.address} refused a new Step stream ({code.name}: {details})"
         return ""
 
     async def _infos(self) -> tuple[list[RankInfo], str]:

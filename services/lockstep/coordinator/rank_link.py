@@ -9,6 +9,9 @@ speaks TLS when the coordinator was given the ranks' CA.
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,18 +20,23 @@ from lockstep import wire
 from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
 from lockstep.rank_auth import RankClientAuth
 from lockstep.steps import Plan, RankInfo
+from lockstep.stream_metadata import COORDINATOR_METADATA
 
 MAX_MESSAGE = 64 << 20  # a report carries a whole step's probe answers
+# This coordinator process, as its Step streams name it: a rank driven by it takes its reconnects and refuses
+# another coordinator's streams (COORDINATOR_METADATA).
+COORDINATOR_ID = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
 class RankLink:
     """One rank's channel and Step stream, as the group's step loop uses them."""
 
-    def __init__(self, rank: int, address: str, auth: RankClientAuth | None = None) -> None:
+    def __init__(self, rank: int, address: str, auth: RankClientAuth | None = None,
+                 coordinator_id: str = COORDINATOR_ID) -> None:
         self.rank = rank
         self.address = address
         auth = auth or RankClientAuth()
-        self.metadata = auth.metadata()
+        self.metadata = (*auth.metadata(), (COORDINATOR_METADATA, coordinator_id))
         self.channel = auth.aio_channel(address, [("grpc.max_receive_message_length", MAX_MESSAGE)])
         self.stub = rank_pb2_grpc.RankServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -52,7 +60,7 @@ class RankLink:
 
     async def open(self, inbox: asyncio.Queue) -> None:
         """A new Step stream (the rank ends any older one) whose reports go to `inbox`."""
-        self._stop()
+        self.stop()
         self.call = self.stub.Step(metadata=self.metadata)
         self.outbox = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -87,12 +95,13 @@ class RankLink:
         """Queue a plan (or one already serialized for every rank) for the writer task."""
         self.outbox.put_nowait(plan if isinstance(plan, rank_pb2.PlanMsg) else wire.plan_to_proto(plan))
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """End the Step stream, so the rank is free for another coordinator."""
         if self.call is not None:
             self.call.cancel()
         for task in self.tasks:
             task.cancel()
 
     async def close(self) -> None:
-        self._stop()
+        self.stop()
         await self.channel.close()

@@ -11,9 +11,14 @@ protocol's delivery rules live:
   the last report and never executed twice: executing it twice would pin its prefixes twice
   (the step order and the answer to a repeat are `steps.StepGate`'s, which LocalGroup keeps too);
 - an engine exception becomes `Report.error` and the stream goes on; the coordinator decides;
-- a newer Step stream supersedes the older one, which ends ABORTED after the step it is in; no plan of the
-  older stream starts once the newer one is acknowledged (its initial metadata), so a coordinator that
-  opens its streams, waits for that and then reads `Info.last_step` plans from a step no old plan moves;
+- a newer Step stream of the same coordinator supersedes the older one, which ends ABORTED after the step it
+  is in; no plan of the older stream starts once the newer one is acknowledged (its initial metadata), so a
+  coordinator that opens its streams, waits for that and then reads `Info.last_step` plans from a step no old
+  plan moves;
+- another coordinator's stream (`COORDINATOR_METADATA`) is refused FAILED_PRECONDITION while the one
+  driving the rank keeps its stream: two coordinators taking a group from each other would interleave their
+  plans and break it. A coordinator that dies ends its stream; one cut off by the network is found by the
+  server's keepalive (`KEEPALIVE_MS`), after which another may take over;
 - with a group token (`rank_auth`), a call without it is refused UNAUTHENTICATED before it gets here, so
   only the token's holder can supersede the coordinator's stream; the health check stays open.
 """
@@ -36,6 +41,7 @@ from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank_auth import RankServerAuth, TokenInterceptor
 from lockstep.steps import GroupBroken, Plan, RankInfo, Report, StepGate
+from lockstep.stream_metadata import COORDINATOR_METADATA, STREAM_TAKEN_METADATA
 from lockstep.wire import WireError, info_to_proto, plan_from_proto, report_to_proto
 
 log = logging.getLogger(__name__)
@@ -52,7 +58,11 @@ class StepEngine(Protocol):
     def info(self) -> RankInfo: ...
 
 
-STREAM_METADATA = (("x-lockstep-stream", "current"),)  # sent once this stream owns the rank
+STREAM_METADATA = (STREAM_TAKEN_METADATA,)  # sent once this stream owns the rank
+# A coordinator whose connection went silent (cut off, or its process stopped) is dropped after a ping
+# unanswered for KEEPALIVE_MS, KEEPALIVE_MS after the last: its Step stream ends, and another may take over.
+KEEPALIVE_MS = 10_000
+REFUSAL_LOG_S = 60.0  # a coordinator refused again and again is logged once a minute
 
 
 class _Superseded(Exception):
@@ -64,9 +74,15 @@ class _Stream:
 
     _EOF = object()
 
-    def __init__(self) -> None:
+    def __init__(self, coordinator: str = "", peer: str = "") -> None:
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.end: tuple[grpc.StatusCode, str] | None = None
+        self.coordinator, self.peer = coordinator, peer
+        self.since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.reading = True  # until its coordinator's side of the RPC ends
+
+    def live(self) -> bool:
+        return self.end is None and self.reading
 
     def stop(self, code: grpc.StatusCode, details: str) -> None:
         self.end = (code, details)
@@ -79,6 +95,7 @@ class _Stream:
         except Exception:  # the RPC ended (cancelled, aborted, broken): nothing more will arrive
             pass
         finally:
+            self.reading = False
             self.inbox.put(self._EOF)
 
 
@@ -97,6 +114,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self._closed = False
         self._gate = StepGate(rank)
         self._in_flight: int | None = None
+        self._refused: tuple[str, float] = ("", -REFUSAL_LOG_S)  # the last coordinator refused, and when logged
 
     def attach(self, engine: StepEngine) -> None:
         """Hand over the engine once it is loaded; until then Step and Info answer UNAVAILABLE."""
@@ -173,17 +191,35 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     def _open(self, context: grpc.ServicerContext) -> _Stream:
         if self._engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is still loading its engine")
-        stream = _Stream()
+        coordinator = dict(context.invocation_metadata()).get(COORDINATOR_METADATA, "")
+        stream = _Stream(coordinator, context.peer())
         with self._streams_lock:
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
-            old, self._current = self._current, stream
-            if old is not None:  # under the lock: no plan of the old stream starts after this
-                old.stop(grpc.StatusCode.ABORTED, "superseded by a newer Step stream to this rank")
+            old = self._current
+            holder = old if old is not None and old.live() and old.coordinator != coordinator else None
+            if holder is None:
+                self._current = stream
+                if old is not None:  # under the lock: no plan of the old stream starts after this
+                    old.stop(grpc.StatusCode.ABORTED, "superseded by a newer Step stream to this rank")
+        if holder is not None:
+            self._refuse_coordinator(context, stream, holder)
         if old is not None:
             log.warning("rank %d: a new Step stream supersedes the old one", self.rank)
         context.send_initial_metadata(STREAM_METADATA)
         return stream
+
+    def _refuse_coordinator(self, context: grpc.ServicerContext, stream: _Stream, holder: _Stream) -> None:
+        """Abort a second coordinator's stream, saying which one drives the rank (logged once a minute each)."""
+        why = (f"rank {self.rank} is driven by another coordinator ({holder.coordinator or 'unnamed'} at "
+               f"{holder.peer}, since {holder.since}); another may take it over only once that one's stream ends")
+        last, at = self._refused
+        if stream.coordinator != last or time.monotonic() - at >= REFUSAL_LOG_S:
+            self._refused = (stream.coordinator, time.monotonic())
+            log.warning("rank %d: refused a Step stream of coordinator %s at %s: driven by %s at %s", self.rank,
+                        stream.coordinator or "(unnamed)", stream.peer, holder.coordinator or "(unnamed)",
+                        holder.peer)
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
 
     def Step(
         self, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
@@ -237,7 +273,8 @@ class RankServer:
         self.health_server, self.health_port = _health_server(self.health, health_address)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+                     ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS)],
             interceptors=[TokenInterceptor(auth.token, f"rank {servicer.rank}")] if auth.token else [],
         )
         rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)

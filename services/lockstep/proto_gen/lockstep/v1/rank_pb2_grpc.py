@@ -53,7 +53,9 @@ class RankServiceServicer:
 
     def Step(self, request_iterator, context):
         """Plans down, reports up: exactly one report per plan, in the order of the plans. A newer Step
-        stream supersedes an older one (a reconnecting coordinator); the older one ends ABORTED.
+        stream of the same coordinator (its `x-lockstep-coordinator` metadata) supersedes an older one
+        (a reconnect), which ends ABORTED; another coordinator's is refused FAILED_PRECONDITION while the
+        older stream lives, so two coordinators never drive one rank in turn.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
