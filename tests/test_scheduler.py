@@ -548,3 +548,24 @@ def test_pages_gone_when_the_held_request_is_admitted_are_just_computed_again():
     assert _admitted(g)[:3] == [[], ["s"], ["w"]]
     assert w.cached_tokens == 0 and computed_tokens(g.plans)["w"] == 22 + 1
     assert s.generated == reference(s) and w.generated == reference(w)
+
+
+def test_pages_one_victim_frees_serve_every_request_that_cannot_grow_in_that_step():
+    """Three short requests need a new page at the same step of a full pool; preempting the newest (a long one
+    holding ~26 pages) covers all three. Found by a helper: each request preempted a victim of its own (here the
+    long one, then a short one), up to 5x the preemptions of a benchmark-shaped load."""
+    for pool in range(33, 40):
+        sched = make_sched(budget=128, seqs=8, caching=False)
+        g = Group(sched, [pool], caching=False)
+        reqs = [Request(rid, [ord(rid)] * 8, max_tokens=30) for rid in "abc"]
+        for r in reqs:
+            sched.add(r)
+        g.run_step()
+        reqs.append(Request("d", [5] * 100, max_tokens=30))
+        sched.add(reqs[-1])
+        preempted: list[str] = []
+        while sched.has_work():
+            preempted += [e.request_id for e in g.run_step() if e.kind == PREEMPTED]
+            assert g.step < 2000
+        assert set(preempted) <= {"d"}, (pool, preempted)
+        assert [r.finish_reason for r in reqs] == ["length"] * 4

@@ -286,9 +286,11 @@ class Scheduler(Admitting):
     def _schedule_running(self, control: AdmissionControl, batch: ChunkColumns, releases: list[str]) -> bool:
         """Give every running request its next chunk while it fits; where one cannot grow, preempt the
         newest running requests until the pages they hold cover its shortfall in every pool. Their pages
-        are free only from the next report, so the request itself waits this step. Returns whether
-        anything was preempted."""
+        are free only from the next report, so the request itself waits this step; what they free beyond its
+        shortfall (`spare`) covers the next request that cannot grow before another victim is taken, as
+        vLLM's freed blocks serve the next request. Returns whether anything was preempted."""
         preempted = False
+        spare: dict[str, int] = {}  # pages this step's victims free beyond the shortfalls they covered
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -297,6 +299,10 @@ class Scheduler(Admitting):
             if control.tokens_left <= 0:
                 continue
             short = control.shortfall(req.num_computed, req.num_uncomputed)
+            for name, n in short.items():
+                covered = min(n, spare.get(name, 0))
+                spare[name] = spare.get(name, 0) - covered
+                short[name] = n - covered
             while any(n > 0 for n in short.values()):
                 victim = self.running[-1]  # newer than req, so not in this step's batch yet
                 freed = control.held(victim.num_computed)
@@ -305,6 +311,8 @@ class Scheduler(Admitting):
                 preempted = True
                 if victim is req:
                     break
+            for name, n in short.items():
+                spare[name] = spare.get(name, 0) - min(n, 0)
         return preempted
 
     def _grow(self, control: AdmissionControl, req: Request, batch: ChunkColumns) -> bool:
