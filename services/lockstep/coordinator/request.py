@@ -8,8 +8,8 @@ sampled last step) and a recompute after preemption is a prefill of prompt + gen
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -35,10 +35,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def default_seed(request_id: str) -> int:
-    """A seed derived from the request id alone, so every rank and every recompute samples alike."""
-    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"lockstep-seed").digest()
-    return int.from_bytes(digest, "little") & SEED_MASK
+def default_seed() -> int:
+    """A fresh seed for a request that names none, drawn once and kept with it, so every rank and every recompute
+    samples alike. Not derived from the request id: a gRPC client picks its own, and a retry under the same id
+    must draw afresh (found by a helper: three calls with `request_id` "job-1" gave the same text)."""
+    return secrets.randbits(63) & SEED_MASK
 
 
 def _token_ids(name: str, tokens: Iterable[int]) -> tuple[int, ...]:
@@ -99,7 +100,7 @@ class Request:
         _check_sampling(sampling)
         self.request_id = request_id
         self.prompt_token_ids = prompt
-        seed = default_seed(request_id) if sampling.seed is None else sampling.seed
+        seed = default_seed() if sampling.seed is None else sampling.seed
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(_token_ids("stop_token_ids", stop_token_ids))
         # the ranks hold the stop ids off while min_tokens are not generated (and only then need them)
