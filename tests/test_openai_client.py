@@ -236,3 +236,18 @@ def test_stop_reason_and_echo_without_generation(served):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)
     served.assert_no_leak()
+
+
+def test_echo_of_token_ids_keeps_their_special_tokens_as_the_logprobs_offsets_count_them(served):
+    """vLLM echoes token ids as `decode(ids)` with the special tokens: without them (found by a helper) the
+    echoed text lost `<s>`, and every `text_offset` pointed past where its token is in the text."""
+    client = _client(served)
+    ids = client.post(served.url + "/tokenize", body={"prompt": "Hello there"}, cast_to=object)["tokens"]
+    done = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    choice = done.choices[0]
+    assert choice.text.startswith("<s>Hello there")
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert tokens[0] == "<s>"  # the tiny tokenizer adds its bos
+    for token, at in zip(tokens, offsets, strict=True):
+        assert choice.text[at:at + len(token)] == token

@@ -163,8 +163,8 @@ class OpenAIServer:
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
         echo = ""
-        if check_echo(body):  # the prompt's text: as given, or the decoded token ids
-            echo = prompt if isinstance(prompt, str) else self.frontend.tokenizer.decode(prompt_ids)
+        if check_echo(body):  # the prompt's text: as given, or its token ids decoded with their special tokens
+            echo = prompt if isinstance(prompt, str) else self.frontend.tokenizer.decode(prompt_ids, False)
         return await respond(request, self.frontend, body, spec, Shape(False, _token_ids(body), echo))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
