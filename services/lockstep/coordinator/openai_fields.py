@@ -142,13 +142,17 @@ def check_shadowed_max_tokens(body: Mapping[str, Any], max_model_len: int) -> No
                        "max_completion_tokens")
 
 
-def stream_options(body: Mapping[str, Any]) -> bool:
-    """Whether the client asked for a usage chunk at the end of its stream (`stream_options.include_usage`)."""
+def stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether the client asked for a usage chunk at the end of its stream (`stream_options.include_usage`).
+    Options without a stream are refused, as OpenAI and vLLM refuse them: the usage chunk they ask for never
+    comes."""
     options = body.get("stream_options")
     if options is None:
         return False
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise ApiError(400, "'stream_options' may be set only when 'stream' is true", "stream_options")
     for name, value in options.items():
         noop = STREAM_OPTIONS.get(name, ())
         param = f"stream_options.{name}"

@@ -96,7 +96,7 @@ async def respond(request: web.Request, frontend: Frontend, body: dict, spec: Ge
                   ) -> web.StreamResponse:
     """Queue the request's n choices (a refusal is an HTTP status, before any output) and answer with them."""
     stream = json_field(body, "stream", (bool,), False)
-    include_usage = stream_options(body)
+    include_usage = stream_options(body, stream)
     k = logprobs_asked(body, shape.chat, max_logprobs_of(frontend))
     if k >= 0:  # the ranks compute them where they sample (SamplingParams.logprobs)
         spec, shape = replace(spec, sampling=replace(spec.sampling, logprobs=k)), replace(shape, logprobs=k)

@@ -148,17 +148,20 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int,
         props[name] = known[name]
     schema = {"type": "object", "additionalProperties": False, "required": required, "properties": props}
     if endpoint in _TOGETHER:
-        schema["anyOf"] = _TOGETHER[endpoint]
+        schema["allOf"] = [{"anyOf": rule} for rule in _TOGETHER[endpoint]]
     return schema
 
 
-# What one field allows only with another: top_logprobs > 0 needs logprobs: true (vLLM's rule), and a
-# completion's max_tokens 0 needs echo: true.
+# What one field allows only with another (each rule: one of its alternatives holds): top_logprobs > 0 needs
+# logprobs: true (vLLM's rule), a completion's max_tokens 0 needs echo: true, and stream_options needs stream:
+# true (OpenAI's and vLLM's).
+_STREAM_OPTIONS = [{"properties": {"stream_options": {"type": "null"}}},
+                   {"required": ["stream"], "properties": {"stream": {"const": True}}}]
 _TOGETHER = {
-    "chat": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
-             {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}],
-    "completions": [{"properties": {name: {"not": {"const": 0}} for name in ("max_tokens", "max_completion_tokens")}},
-                    {"required": ["echo"], "properties": {"echo": {"const": True}}}],
+    "chat": [[{"properties": {"top_logprobs": {"enum": [None, 0]}}},
+              {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}], _STREAM_OPTIONS],
+    "completions": [[{"properties": {name: {"not": {"const": 0}} for name in ("max_tokens", "max_completion_tokens")}},
+                     {"required": ["echo"], "properties": {"echo": {"const": True}}}], _STREAM_OPTIONS],
 }
 
 
