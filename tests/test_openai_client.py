@@ -251,3 +251,14 @@ def test_echo_of_token_ids_keeps_their_special_tokens_as_the_logprobs_offsets_co
     assert tokens[0] == "<s>"  # the tiny tokenizer adds its bos
     for token, at in zip(tokens, offsets, strict=True):
         assert choice.text[at:at + len(token)] == token
+
+
+def test_models_retrieve_names_the_served_model_and_refuses_another(served):
+    client = _client(served)
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found" and MODEL in err.value.body["message"]
+    with pytest.raises(openai.AuthenticationError):
+        _client(served, "wrong").models.retrieve(MODEL)

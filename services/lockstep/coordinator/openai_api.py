@@ -89,6 +89,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -221,9 +222,17 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the one served model."""
-        card = {"id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "lockstep",
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: OpenAI's retrieve (the `openai` client's `models.retrieve`); another name is
+        a 404 naming the served one."""
+        check_model(self.frontend, request.match_info["model"])
+        return web.json_response(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "lockstep",
                 "max_model_len": self.frontend.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 while some group can serve, 503 otherwise; the body says which group is how."""

@@ -220,8 +220,9 @@ def _schemas() -> dict[str, dict]:
                     "index": INT, "message": message, "finish_reason": reason, "stop_reason": stop_reason,
                     "logprobs": chat_lps, "token_ids": ids}}}}},
         "Models": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
-                "id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR, "max_model_len": INT}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
+        "Model": {"type": "object", "required": ["id", "object"], "properties": {
+            "id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR, "max_model_len": INT}},
         "Tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
             "count": INT, "max_model_len": INT, "tokens": ids, "token_strs": {"type": "array", "items": STR}}},
         "Detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": STR}},
@@ -272,6 +273,9 @@ def _paths(model: str, max_model_len: int, vocab: int, max_logprobs: int) -> dic
                                            "content": {"application/json": {"schema": ref("ChatCompletion")},
                                                        **events}}, gen_errors, body("chat"))},
         "/v1/models": {"get": _operation("the served model", _json(ref("Models"), "the one model"), ("400", "401"))},
+        "/v1/models/{model}": {"get": {**_operation("a model by its name: the served one", _json(
+            ref("Model"), "the served model"), ("400", "401", "404")), "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": STR}]}},
         "/tokenize": {"post": _operation(
             "the token ids of a prompt or of a chat (vLLM)", _json(ref("Tokenize"), "the tokens"),
             ("400", "401", "404", "413"), {"oneOf": [body("tokenize"), body("tokenize_chat")]})},
