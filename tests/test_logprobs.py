@@ -24,7 +24,8 @@ MAX_LOGPROBS = 25  # above vLLM's default 20: the coordinator's --max-logprobs i
 def group(tiny_llama, tmp_path_factory):
     # a small token budget: a prompt over BUDGET tokens is prefilled in chunks, which prompt logprobs must span
     c = Cluster(tiny_llama, tp=2, kv_pages=128, log_dir=tmp_path_factory.mktemp("logs"),
-                coordinator_args=["--max-num-batched-tokens", str(BUDGET), "--max-logprobs", str(MAX_LOGPROBS)])
+                coordinator_args=["--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(BUDGET),
+                                  "--max-logprobs", str(MAX_LOGPROBS)])
     yield c
     c.close()
 

@@ -231,7 +231,7 @@ def group(tiny_llama, tmp_path_factory):
     # rank 1's pool of 10 pages holds one request alone: concurrent ones are preempted and recomputed; a budget of
     # 16 tokens a step prefills every prompt in chunks, so the one that samples first needs the history before it
     c = Cluster(tiny_llama, tp=2, kv_pages=[128, 10], log_dir=tmp_path_factory.mktemp("logs"),
-                coordinator_args=["--max-num-batched-tokens", "16"])
+                coordinator_args=["--max-num-batched-tokens", "16", "--max-num-seqs", "16"])
     yield c
     c.close()
 

@@ -65,6 +65,8 @@ def test_prefix_caching_variable_means_the_same_to_every_service(word, caching):
     (GROUP, {"LOCKSTEP_HTTP_PORT": "eighty"}, "LOCKSTEP_HTTP_PORT must be an integer, got 'eighty'"),
     (GROUP, {"LOCKSTEP_STALL_THRESHOLD_SECONDS": "soon"}, "LOCKSTEP_STALL_THRESHOLD_SECONDS must be a number"),
     (GROUP + ["--max-num-seqs", "0"], {}, "--max-num-seqs must be >= 1, got 0"),
+    # vLLM's rule too: no more than the token budget could run at once (found by a helper: silently 4 of 16)
+    (GROUP + ["--max-num-batched-tokens", "8"], {}, "max_num_batched_tokens (8) must be at least max_num_seqs (64)"),
     (GROUP, {"LOCKSTEP_PREFIX_CACHING": "maybe"}, "LOCKSTEP_PREFIX_CACHING must be 0 or 1"),
     ([], {}, "no group given"),
     (["--group", "g0"], {}, "a group is NAME=HOST:PORT"),
@@ -141,3 +143,10 @@ def test_checkpoint_dtype_is_read_from_either_name(tmp_path, config, want):
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert ModelConfig.checkpoint_dtype(tmp_path) == want
+
+
+def test_serve_refuses_a_token_budget_below_max_num_seqs_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit):
+        serve_args(["--max-num-batched-tokens", "16", "--max-num-seqs", "32"], env={})
+    assert "max_num_batched_tokens (16) must be at least max_num_seqs (32)" in capsys.readouterr().err
+    assert serve_args(["--max-num-batched-tokens", "16", "--max-num-seqs", "16"], env={}).max_num_seqs == 16

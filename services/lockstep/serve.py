@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str] | None = None) -> 
     try:
         args.rank_pages = _rank_pages(args.rank_kv_pages, args.dp)
         args.api_keys = parse_api_keys(args.api_key, (os.environ if env is None else env).get("LOCKSTEP_API_KEY", ""))
+        CoordinatorConfig(groups={"g0": ("127.0.0.1:1",)}, **coordinator_settings(args))  # before any rank starts
     except ValueError as exc:
         p.error(str(exc))
     return args

@@ -59,6 +59,10 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM refuses it too
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): every running request decodes a token per step, so no more than "
+                             f"max_num_batched_tokens could ever run at once; lower --max-num-seqs or raise the budget")
         if type(self.api_workers) is not int or not 0 <= self.api_workers <= 64:
             raise ValueError(f"api_workers must be an integer in [0, 64], got {self.api_workers!r}")
         if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
