@@ -195,6 +195,7 @@ def test_defaults_match_the_command_line_contract() -> None:
     ({"model": {"builtin": False}}, "exactly one"),
     ({"model": {"path": "relative/dir"}}, "absolute"),
     ({"coordinator": {"httpPort": 9000, "grpcPort": 9000}}, "must differ"),
+    ({"scheduler": {"maxNumBatchedTokens": 32}}, r"maxNumBatchedTokens \(32\) must be at least maxNumSeqs \(64\)"),
 ])
 def test_cross_field_rules(spec: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message):

@@ -256,6 +256,9 @@ def spec_schema() -> Schema:
     }, {
         "rule": "self.coordinator.httpPort != self.coordinator.grpcPort",
         "message": "coordinator.httpPort and coordinator.grpcPort must differ",
+    }, {
+        "rule": "self.scheduler.maxNumBatchedTokens >= self.scheduler.maxNumSeqs",
+        "message": "scheduler.maxNumBatchedTokens must be at least scheduler.maxNumSeqs (the coordinator refuses less)",
     }]
     return spec
 

@@ -126,6 +126,10 @@ def normalize(spec: Mapping[str, Any] | None) -> dict[str, Any]:
     coordinator = full["coordinator"]
     if coordinator["httpPort"] == coordinator["grpcPort"]:
         raise SpecError("spec.coordinator: httpPort and grpcPort must differ")
+    scheduler = full["scheduler"]
+    if scheduler["maxNumBatchedTokens"] < scheduler["maxNumSeqs"]:
+        raise SpecError(f"spec.scheduler: maxNumBatchedTokens ({scheduler['maxNumBatchedTokens']}) must be at least "
+                        f"maxNumSeqs ({scheduler['maxNumSeqs']}): the coordinator refuses less")
     return full
 
 
