@@ -88,6 +88,9 @@ def test_the_tp_size_is_serves_by_default_and_one_the_model_cannot_split_is_one_
     assert main(["--model", str(tiny_llama), "--tp", "3", "--requests", "1"]) == 2
     err = capsys.readouterr().err
     assert "tensor-parallel size 3 cannot split" in err and "TP sizes that work" in err and "Traceback" not in err
+    # found by a review: the in-process run finished before the served run's coordinator refused this
+    assert main(["--model", str(tiny_llama), "--tp", "1", "--requests", "1", "--max-num-seqs", "600"]) == 2
+    assert "--max-num-batched-tokens (512) must be at least --max-num-seqs (600)" in capsys.readouterr().err
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):

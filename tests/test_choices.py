@@ -90,7 +90,7 @@ def test_each_choice_has_its_own_seed_and_id():
     top = choice_specs(build_spec(MODEL, SamplingFields(seed=SEED_MAX, n=2), [5]))
     assert [s.sampling.seed for s in top] == [SEED_MAX, SEED_MIN]  # wrapped: still a 64-bit seed
     unseeded = choice_specs(build_spec(MODEL, SamplingFields(n=2), [5]))
-    assert [s.sampling.seed for s in unseeded] == [None, None]  # each choice's request id seeds it
+    assert [s.sampling.seed for s in unseeded] == [None, None]  # each choice's request draws a fresh seed
     one = build_spec(MODEL, SamplingFields(seed=7), [5])
     assert choice_specs(one) == [one]
 

@@ -587,3 +587,20 @@ def test_grpc_logprobs_and_their_range():
     for bad in (-1, 21):
         err = error_of(grpc_spec, MODEL, ipb.GenerateRequest(text="x", logprobs=bad))
         assert (err.status, err.param) == (400, "logprobs")
+
+
+def test_a_served_name_with_a_slash_is_retrieved_by_its_path():
+    """`--served-model-name org/model` (Hugging Face's naming): GET /v1/models/org/model, slash unencoded as curl
+    sends it, and encoded as the openai client sends it, is the model; another name is a 404 naming it."""
+    fe = FakeFrontend([])
+    fe.model_name = "org/tiny"
+
+    async def get(client, path: str) -> tuple[int, object]:
+        resp = await client.get(path)
+        return resp.status, await resp.json()
+
+    (s1, plain), (s2, encoded), (s3, other) = _http(fe, [lambda c: get(c, "/v1/models/org/tiny"),
+                                                          lambda c: get(c, "/v1/models/org%2Ftiny"),
+                                                          lambda c: get(c, "/v1/models/org/other")])
+    assert (s1, plain["id"]) == (s2, encoded["id"]) == (200, "org/tiny")
+    assert s3 == 404 and other["error"]["code"] == "model_not_found" and "org/tiny" in other["error"]["message"]

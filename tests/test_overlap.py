@@ -32,10 +32,13 @@ def test_long_overlapped_run_under_pressure_plans_ahead_and_matches_the_referenc
     assert g.sched.stats.preemptions > 0 and g.sched.stats.failed_steps <= 3  # only the injected refusals
 
 
+SEED = 5
+
+
 def _decode_group(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> tuple[Group, list[Request]]:
     sched = make_sched(ranks=2, budget=32, seqs=n)
     g = Group(sched, [64, 64], overlap=True)
-    reqs = [Request(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(), max_tokens, stop) for i in range(n)]
+    reqs = [Request(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(seed=SEED + i), max_tokens, stop) for i in range(n)]
     for r in reqs:
         sched.add(r)
     return g, reqs
@@ -56,8 +59,8 @@ def test_steady_decode_is_planned_ahead_with_pending_tokens():
 
 
 def test_a_stop_token_costs_at_most_one_wasted_decode_that_is_never_sent():
-    probe = Request("x", [1, 2, 3, 4, 5], SamplingParams(), 12)
-    stop_at = reference(probe)[3]  # the fourth token stops the request
+    probe = Request("r0", [1, 2, 3, 4, 5], SamplingParams(seed=SEED), 12)
+    stop_at = reference(probe)[3]  # the fourth token stops the request (the probe draws as r0 will: one seed)
     g, (req,) = _decode_group(1, 12, (stop_at,))
     g.run()
     want = reference(req)

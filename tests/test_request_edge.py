@@ -118,7 +118,7 @@ REFUSED = [
      "stream_options.include_usage", "boolean"),
     # OpenAI and vLLM refuse options for a stream that is not asked for (the usage chunk would never come)
     (C, {**OK_PROMPT, "stream_options": {"include_usage": True}}, 400, "stream_options", "only when 'stream' is true"),
-    (C, {**OK_PROMPT, "stream": False, "stream_options": {}}, 400, "stream_options", "only when"),
+    (C, {**OK_PROMPT, "stream": False, "stream_options": {"include_usage": False}}, 400, "stream_options", "only when"),
     (C, {**OK_PROMPT, "stream_options": []}, 400, "stream_options", "object"),
     (C, {**OK_PROMPT, "model": 5}, 400, "model", "string"),
     (CHAT, {"messages": MSG, "logprobs": 1}, 400, "logprobs", "type boolean, got int"),
@@ -217,6 +217,7 @@ ACCEPTED = [
             "stop_token_ids": [7], "include_stop_str_in_output": False, "ignore_eos": True}),
     (C, {**OK_PROMPT, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": False}}),
     (C, {**OK_PROMPT, "stream": False, "stream_options": None}),
+    (C, {**OK_PROMPT, "stream_options": {}}),  # asks for nothing (vLLM accepts it too)
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
             "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False}),
     (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "a", "tool_calls": None}],

@@ -34,10 +34,11 @@ def test_chunked_prefill_then_decode_with_positions_and_sample_index():
 
 
 def test_stop_token_finishes_and_releases():
-    probe = Request("s", [3, 4, 5], max_tokens=50)
+    seeded = SamplingParams(seed=11)  # the probe draws what the request will: an unseeded one draws afresh
+    probe = Request("s", [3, 4, 5], seeded, max_tokens=50)
     ref = reference(probe)
     stop = ref[2]
-    req = Request("s", [3, 4, 5], max_tokens=50, stop_token_ids=[stop])
+    req = Request("s", [3, 4, 5], seeded, max_tokens=50, stop_token_ids=[stop])
     sched = make_sched()
     g = Group(sched, [32])
     sched.add(req)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 import time
 
 import grpc
@@ -15,6 +16,7 @@ import pytest
 
 from lockstep.coordinator.group_ranks import GroupRanks
 from lockstep.coordinator.metrics import Metrics
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank.service import RankServer, RankServicer
 from lockstep.steps import Plan, RankInfo, Report
@@ -151,3 +153,79 @@ def test_a_coordinator_that_cannot_serve_the_ranks_opens_no_stream(ranks) -> Non
     b.close()
 
 
+
+
+class SlowInfoEngine(CountingEngine):
+    """Info takes a second while `slow` is set: two such calls hold a rank's two gRPC worker threads."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.slow = threading.Event()
+
+    def info(self) -> RankInfo:
+        if self.slow.is_set():
+            time.sleep(1.0)
+        return super().info()
+
+
+def test_a_stream_cancelled_before_the_rank_took_it_does_not_hold_the_rank():
+    """Found by a review: a coordinator that went away while its new stream waited for a worker thread left that
+    stream current with nothing to end it, and every other coordinator was refused until the rank restarted."""
+    engine = SlowInfoEngine()
+    server = RankServer(RankServicer(0, engine), "127.0.0.1:0", max_workers=2)
+    server.start()
+    server.set_serving(True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = rank_pb2_grpc.RankServiceStub(channel)
+    try:
+        engine.slow.set()
+        busy = [stub.Info.future(pb.InfoRequest()) for _ in range(2)]
+        time.sleep(0.1)
+        gone = stub.Step(iter(()), metadata=((COORDINATOR_METADATA, "gone"),))
+        time.sleep(0.1)
+        gone.cancel()
+        for f in busy:
+            f.result()
+        engine.slow.clear()
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            b = RawStream(f"127.0.0.1:{server.port}", "next")
+            try:
+                assert b.step(0).error == ""
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
+                assert time.monotonic() < deadline, exc.details()
+                b.close()
+                time.sleep(0.2)
+        b.close()
+    finally:
+        channel.close()
+        server.stop(grace=0.2)
+
+
+def test_a_coordinator_that_cannot_serve_never_holds_ranks_it_caught_up(ranks) -> None:
+    """Found by a review: ranks left one step apart by a dead coordinator were caught up (streams opened) by one
+    that cannot serve them, which then waited holding them: the coordinator that can was refused."""
+    _, addresses = ranks
+    old = [RawStream(a, "old") for a in addresses]
+    for k in range(6):
+        old[0].step(k)
+    for k in range(5):
+        old[1].step(k)  # the old coordinator died between its writes of plan 5
+    for s in old:
+        s.close()
+
+    async def run() -> list[RankInfo]:
+        wrong = GroupRanks("g0", addresses, Metrics(), 5.0, 10.0, coordinator_id="wrong")
+        right = GroupRanks("g0", addresses, Metrics(), 5.0, 10.0, coordinator_id="right")
+        waiting = asyncio.ensure_future(wrong.connect(lambda why: None, lambda infos: "page size 16, not 4"))
+        try:
+            await asyncio.sleep(2.5)
+            return await asyncio.wait_for(right.connect(lambda why: None), WAIT_S)
+        finally:
+            waiting.cancel()
+            await wrong.close()
+            await right.close()
+
+    assert [i.last_step for i in asyncio.run(run())] == [5, 5]  # rank 1 abstained from step 5 (caught up)

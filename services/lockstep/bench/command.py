@@ -189,15 +189,15 @@ def _bench(argv: list[str]) -> int:
         try:
             model_dir, workload = _prepared(args, scratch)
             tp = 0 if args.url else _tp(model_dir, args.tp)
+            cfg = BenchConfig(tp=tp, page_size=args.page_size, kv_pages=args.kv_pages,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                              prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,
+                              api_workers=args.api_workers)
         except ValueError as exc:
             print(f"lockstep bench: {exc}", file=sys.stderr)
             return 2
         if args.url:
             return _external(args, model_dir, workload)
-        cfg = BenchConfig(tp=tp, page_size=args.page_size, kv_pages=args.kv_pages,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          prefix_caching=not args.no_prefix_caching, warmup=args.warmup, dtype=args.dtype,
-                          api_workers=args.api_workers)
         log_dir = args.log_dir or scratch / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         raw: dict[str, RunResult] = {}

@@ -23,6 +23,11 @@ class BenchConfig:
     api_workers: int = 0  # the served run's HTTP API frontend processes (`--api-workers`); 0: in the coordinator
     startup_timeout_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:  # the served run's coordinator refuses it
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"--max-num-seqs ({self.max_num_seqs})")
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -28,7 +28,7 @@ from lockstep.coordinator.request_events import settled
 def choice_specs(spec: GenerateSpec) -> list[GenerateSpec]:
     """The spec of each of the n choices, each a request of its own. With a seed, choice i draws with seed + i
     (vLLM's rule, wrapped to 64 bits), so choice 0 is the n=1 answer and no two choices share a stream;
-    without one, each choice's own request id seeds it."""
+    without one, each choice's request draws a fresh seed of its own (`request.default_seed`)."""
     if spec.n == 1:
         return [spec]
     seed = spec.sampling.seed

@@ -92,7 +92,7 @@ class GroupRanks:
         while True:
             infos, why = await self._infos()
             refused = ""
-            if not why and len(infos) == len(self.links) and not inconsistent(infos, len(self.links)):
+            if not why and len(infos) == len(self.links):  # steps apart or not: never take ranks it cannot serve
                 why = refused = unusable(infos)
             if not why:  # supersede older streams first, so no plan still queued on them runs after this read
                 why = await self._open_streams()
@@ -105,6 +105,8 @@ class GroupRanks:
             why = why or inconsistent(infos, len(self.links))
             if not why:
                 break
+            for link in self.links:  # a coordinator that waits holds no rank: another may be the one that can serve
+                link.stop()
             if why != said:
                 log.log(logging.ERROR if refused else logging.INFO, "group %s: waiting for its ranks: %s",
                         self.name, why)

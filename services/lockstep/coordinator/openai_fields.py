@@ -151,7 +151,7 @@ def stream_options(body: Mapping[str, Any], stream: bool) -> bool:
         return False
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    if not stream:
+    if options and not stream:  # vLLM's rule: an empty object asks for nothing
         raise ApiError(400, "'stream_options' may be set only when 'stream' is true", "stream_options")
     for name, value in options.items():
         noop = STREAM_OPTIONS.get(name, ())

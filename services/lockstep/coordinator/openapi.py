@@ -155,7 +155,7 @@ def request_schema(endpoint: str, model: str, max_model_len: int, vocab: int,
 # What one field allows only with another (each rule: one of its alternatives holds): top_logprobs > 0 needs
 # logprobs: true (vLLM's rule), a completion's max_tokens 0 needs echo: true, and stream_options needs stream:
 # true (OpenAI's and vLLM's).
-_STREAM_OPTIONS = [{"properties": {"stream_options": {"type": "null"}}},
+_STREAM_OPTIONS = [{"properties": {"stream_options": {"anyOf": [NULL, {"type": "object", "maxProperties": 0}]}}},
                    {"required": ["stream"], "properties": {"stream": {"const": True}}}]
 _TOGETHER = {
     "chat": [[{"properties": {"top_logprobs": {"enum": [None, 0]}}},

@@ -206,7 +206,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             self._refuse_coordinator(context, stream, holder)
         if old is not None:
             log.warning("rank %d: a new Step stream supersedes the old one", self.rank)
-        context.send_initial_metadata(STREAM_METADATA)
+        try:
+            context.send_initial_metadata(STREAM_METADATA)
+        except BaseException:  # the call ended before it was taken: its coordinator cancelled it or went away
+            stream.reading = False
+            raise
         return stream
 
     def _refuse_coordinator(self, context: grpc.ServicerContext, stream: _Stream, holder: _Stream) -> None:
@@ -225,6 +229,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
     ) -> Iterator[pb.ReportMsg]:
         stream = self._open(context)
+        try:
+            yield from self._serve(stream, request_iterator, context)
+        finally:  # however the handler ends, this stream drives the rank no more: another coordinator may
+            stream.reading = False
+
+    def _serve(self, stream: _Stream, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
+               ) -> Iterator[pb.ReportMsg]:
         threading.Thread(
             target=stream.read, args=(request_iterator,), daemon=True, name="plan-reader"
         ).start()
