@@ -173,6 +173,11 @@ class Cluster:
                 raise AssertionError(f"pages still used after idle: used={used} running={running} waiting={waiting}")
             time.sleep(0.2)
 
+    def assert_clean(self) -> None:
+        """After a test's load: no page held, and no step was ever refused by a rank."""
+        self.assert_no_leak()
+        assert "refused by the ranks" not in self.log(self.coordinator)
+
     def assert_request_table_empty(self, timeout: float = 10.0) -> None:
         """Once idle, the coordinator keeps no record of any request (/health's `requests_in_flight` per
         group): a client that hung up is noticed at the server's next write, hence the wait."""
@@ -201,3 +206,26 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def tokens_of(group: Cluster, tokens: list[int], n: int, **extra) -> tuple[list[int], dict]:
+    """A greedy completion of token ids that ignores EOS: its token ids and the whole body."""
+    status, body = group.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                   "return_token_ids": True, **extra})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], body
+
+
+def hf_greedy(model_dir: Path):
+    """transformers' greedy continuation of a checkpoint, EOS not stopping it: the served tokens' reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def greedy(tokens: list[int], n: int) -> list[int]:
+        # ignore_eos on our side; min_new_tokens would instead mask EOS out of transformers' argmax
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, eos_token_id=None, do_sample=False)
+        return out[0, len(tokens):].tolist()
+
+    return greedy

@@ -10,10 +10,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from checkpoints import random_prompt as prompt
-from cluster import Cluster, http
+from cluster import Cluster, hf_greedy, http, tokens_of
 
 PS = 16
 
@@ -21,16 +20,7 @@ PS = 16
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-
-    def greedy(tokens: list[int], n: int) -> list[int]:
-        # ignore_eos on our side; min_new_tokens would instead mask EOS out of transformers' argmax
-        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, eos_token_id=None, do_sample=False)
-        return out[0, len(tokens):].tolist()
-
-    return greedy
+    return hf_greedy(tiny_llama)
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +33,8 @@ def group(tiny_llama, tmp_path_factory):
 
 @pytest.fixture
 def no_leak(group):
-    """After the test's load: no page held, and no step was ever refused by a rank."""
     yield
-    group.assert_no_leak()
-    assert "refused by the ranks" not in group.log(group.coordinator)
-
-
-def tokens_of(group: Cluster, tokens: list[int], n: int, **extra) -> tuple[list[int], dict]:
-    status, body = group.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                                   "return_token_ids": True, **extra})
-    assert status == 200, body
-    return body["choices"][0]["token_ids"], body
+    group.assert_clean()
 
 
 def test_concurrent_greedy_matches_transformers(group, reference, no_leak):
@@ -278,7 +259,7 @@ def test_grpc_inference_service(group, reference, no_leak):
         assert unary.usage.prompt_tokens == len(p) and unary.finish_reason in ("length", "stop")
         streamed = [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
         assert streamed == list(unary.token_ids)
-        slow = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=p), max_tokens=300, request_id="mine")
+        slow = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=p), max_tokens=300, request_id="mine", ignore_eos=True)
         stream = stub.Generate(slow, timeout=60)
         next(stream)
         try:

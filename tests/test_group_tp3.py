@@ -6,10 +6,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from checkpoints import random_prompt as prompt
-from cluster import Cluster, http
+from cluster import Cluster, hf_greedy, http, tokens_of
 
 RANK_PAGES = [80, 64, 48]  # every rank's own pool: admission must fit the smallest
 
@@ -21,15 +20,7 @@ def tp3_model(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def reference(tp3_model):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tp3_model, dtype=torch.float32)
-
-    def greedy(tokens: list[int], n: int) -> list[int]:
-        out = model.generate(torch.tensor([tokens]), max_new_tokens=n, eos_token_id=None, do_sample=False)
-        return out[0, len(tokens):].tolist()
-
-    return greedy
+    return hf_greedy(tp3_model)
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +33,7 @@ def group(tp3_model, tmp_path_factory):
 @pytest.fixture
 def no_leak(group):
     yield
-    group.assert_no_leak()
-    assert "refused by the ranks" not in group.log(group.coordinator)
-
-
-def tokens_of(group: Cluster, tokens: list[int], n: int, **extra) -> tuple[list[int], dict]:
-    status, body = group.complete({"prompt": tokens, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                                   "return_token_ids": True, **extra})
-    assert status == 200, body
-    return body["choices"][0]["token_ids"], body
+    group.assert_clean()
 
 
 def test_three_ranks_decode_as_transformers_with_shared_prefixes(group, reference, no_leak):
