@@ -346,3 +346,9 @@ def test_a_tokenizer_for_a_smaller_model_refuses_the_ids_the_model_cannot_read(t
     with pytest.raises(ValueError):
         small.decode([300])
     build_spec(model, SamplingFields(), [5, 255, 7])
+
+
+def test_a_stream_of_no_tokens_says_nothing_however_its_prompt_ends(ours: Tokenizer) -> None:
+    """Found by hypothesis in CI: a prompt of four byte tokens that are no character ([175, 97, 97, 127]) and no
+    generated token flushed three U+FFFD, text the full decode does not hold."""
+    assert _stream(ours, [], [175, 97, 97, 127]) == [""]
