@@ -571,3 +571,33 @@ def test_pages_one_victim_frees_serve_every_request_that_cannot_grow_in_that_ste
             assert g.step < 2000
         assert set(preempted) <= {"d"}, (pool, preempted)
         assert [r.finish_reason for r in reqs] == ["length"] * 4
+
+
+def _first_token_step(long_prefill_token_threshold: int) -> tuple[int, list[int]]:
+    """A 400-token prompt prefills in chunks of a 32-token budget; a 3-token request arrives at step 2. Returns the
+    step of the short one's first token and the long one's chunk sizes."""
+    sched = make_sched(budget=32, seqs=4, long_prefill_token_threshold=long_prefill_token_threshold)
+    g = Group(sched, [200])
+    long, short = Request("long", list(range(1, 401)), max_tokens=2), Request("short", [7, 8, 9], max_tokens=2)
+    sched.add(long)
+    first = -1
+    while sched.has_work() or g.step < 2:
+        if g.step == 2:
+            sched.add(short)
+        events = g.run_step()
+        if first < 0 and any(e.request_id == "short" and e.kind == TOKEN for e in events):
+            first = g.step
+        assert g.step < 200
+    chunks = [len(c.token_ids) for p in g.plans for c in p.batch if c.request_id == "long" and len(c.token_ids) > 1]
+    assert long.generated == reference(long) and short.generated == reference(short)
+    return first, chunks
+
+
+def test_a_long_prefill_threshold_lets_a_short_request_in_beside_a_long_prompt():
+    """vLLM's --long-prefill-token-threshold: a prefill chunk takes at most that many tokens of a step, so a short
+    request arriving meanwhile is admitted beside it instead of after the whole prompt (found by a helper: 80 s
+    to a short request's first token behind a 4000-token prompt)."""
+    off, off_chunks = _first_token_step(0)
+    on, on_chunks = _first_token_step(16)
+    assert max(off_chunks) == 32 and max(on_chunks) == 16
+    assert off > 12 and on <= 4, (off, on)  # 400 / 32 steps behind the prompt, against a step or two

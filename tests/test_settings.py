@@ -150,3 +150,13 @@ def test_serve_refuses_a_token_budget_below_max_num_seqs_before_any_rank_starts(
         serve_args(["--max-num-batched-tokens", "16", "--max-num-seqs", "32"], env={})
     assert "max_num_batched_tokens (16) must be at least max_num_seqs (32)" in capsys.readouterr().err
     assert serve_args(["--max-num-batched-tokens", "16", "--max-num-seqs", "16"], env={}).max_num_seqs == 16
+
+
+def test_the_long_prefill_threshold_reaches_the_coordinator_by_flag_and_environment(capsys):
+    assert parse_config(GROUP + ["--long-prefill-token-threshold", "64"], env={}).long_prefill_token_threshold == 64
+    env = {"LOCKSTEP_LONG_PREFILL_TOKEN_THRESHOLD": "128"}
+    assert parse_config(GROUP, env=env).long_prefill_token_threshold == 128
+    assert serve_args([], env=env).long_prefill_token_threshold == 128
+    assert parse_config(GROUP, env={}).long_prefill_token_threshold == 0
+    with pytest.raises(SystemExit):
+        parse_config(GROUP + ["--long-prefill-token-threshold", "-1"], env={})

@@ -79,6 +79,7 @@ class AdmissionControl:
         max_num_batched_tokens: int,
         num_running: int,
         window: int = 0,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if not reports:
             raise ValueError("admission control needs the last report of every rank")
@@ -97,6 +98,8 @@ class AdmissionControl:
         self.capacity = {name: [_pool(r, name).total for r in reports] for name in names}
         self.seqs_left = max_num_seqs - num_running
         self.tokens_left = max_num_batched_tokens
+        # the most of a step one request's chunk takes (vLLM's long_prefill_token_threshold; 0: the whole budget)
+        self.chunk_tokens = long_prefill_token_threshold or max_num_batched_tokens
         self._start = {name: list(room) for name, room in self.room.items()}
         self._overdrawn = False  # some room below zero (only `charge` can make it so): no page-free shortcut
 
@@ -147,7 +150,7 @@ class AdmissionControl:
         The token budget may cut a chunk short; so may pages, since a prefill chunk that stops at the last
         page every rank can give still makes progress.
         """
-        n = min(num_tokens, self.tokens_left)
+        n = min(num_tokens, self.tokens_left, self.chunk_tokens)
         if n <= 0:
             return 0
         ps = self.page_size
@@ -171,7 +174,7 @@ class AdmissionControl:
 
     def shortfall(self, num_computed: int, num_tokens: int) -> dict[str, int]:
         """Pages missing in each pool on its worst rank to compute num_tokens more (within the token budget)."""
-        n = min(num_tokens, max(self.tokens_left, 1))
+        n = min(num_tokens, max(self.tokens_left, 1), self.chunk_tokens)
         need = growth_pages(num_computed, n, self.page_size)
         return {name: max(0, max(need - h for h in room)) for name, room in self.room.items()}
 
@@ -200,7 +203,7 @@ class AdmissionControl:
         prefix = agreed * self.page_size
         if not 0 <= prefix < num_tokens:
             raise ValueError(f"agreed prefix of {agreed} pages must leave a token of {num_tokens} to compute")
-        n = min(num_tokens - prefix, self.tokens_left, self._alone(agreed) * self.page_size)
+        n = min(num_tokens - prefix, self.tokens_left, self.chunk_tokens, self._alone(agreed) * self.page_size)
         if n <= 0:
             return Decision(False, "pages", 0, (), None)
         new = growth_pages(prefix, n, self.page_size)

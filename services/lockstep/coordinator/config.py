@@ -34,6 +34,7 @@ class CoordinatorConfig:
     page_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0  # the most of a step one prefill chunk takes; 0: the whole budget
     max_waiting_requests: int = 1024
     stall_threshold: float = 5.0
     dead_rank_timeout: float = 30.0
@@ -97,6 +98,9 @@ SCHEDULING = (
             "token budget of one step", at_least(1)),
     Setting("max_num_seqs", "--max-num-seqs", "LOCKSTEP_MAX_NUM_SEQS", integer, 64,
             "running requests per group", at_least(1)),
+    Setting("long_prefill_token_threshold", "--long-prefill-token-threshold", "LOCKSTEP_LONG_PREFILL_TOKEN_THRESHOLD",
+            integer, 0, "the most tokens of a step one request's prefill chunk takes, so short requests are "
+            "admitted beside a long prompt (vLLM's); 0: a chunk may take the whole budget", at_least(0)),
     Setting("max_waiting_requests", "--max-waiting-requests", "LOCKSTEP_MAX_WAITING_REQUESTS", integer, 1024,
             "requests the coordinator keeps waiting (over all groups) before it answers 503 with Retry-After",
             at_least(1)),

@@ -67,7 +67,10 @@ class Scheduler(Admitting):
         max_model_len: int | None = None,
         window: int = 0,
         rebalancer: Rebalancer | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
+        if type(long_prefill_token_threshold) is not int or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
         for name, value in (
             ("page_size", page_size),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -89,6 +92,7 @@ class Scheduler(Admitting):
         self.max_model_len = max_model_len
         self.window = window  # tokens a `sliding` pool's layers see; 0: the group has no such pool
         self.rebalancer = rebalancer
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk may take the whole budget
         self.rebalances = 0  # rebalances carried out (the service exports them)
         self._now = 0.0
         self._move: Move | None = None  # the rebalance of the plan in flight
@@ -275,7 +279,7 @@ class Scheduler(Admitting):
 
     def _control(self, reports: list[Report]) -> AdmissionControl:
         return AdmissionControl(reports, self.page_size, self.max_num_seqs, self.max_num_batched_tokens,
-                                len(self.running), self.window)
+                                len(self.running), self.window, self.long_prefill_token_threshold)
 
     def _check_plan_reports(self, step: int, reports: Sequence[Report]) -> list[Report]:
         if self._flight:

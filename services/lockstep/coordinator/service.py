@@ -147,6 +147,7 @@ class Coordinator:
             max_model_len=min([self.max_model_len, *(i.max_model_len for i in infos)]),
             window=infos[0].sliding_window,
             rebalancer=self._rebalancer(infos),
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         )
 
     def _rebalancer(self, infos: list[RankInfo]) -> Rebalancer | None:
