@@ -371,3 +371,21 @@ def test_health_port_must_differ_from_the_grpc_port(capsys):
     assert parse_args(["--health-port", "50052"], env={}, hostname="r-0").health_port == 50052
     assert parse_args([], env={"LOCKSTEP_HEALTH_PORT": "9"}, hostname="r-0").health_port == 9
     assert parse_args([], env={}, hostname="r-0").health_port is None
+
+
+def test_why_a_group_waits_says_whether_the_coordinator_has_a_token_at_all(guarded):
+    """Found by a helper: a coordinator with no token was told the rank "refuses this coordinator's group token"."""
+    from lockstep.coordinator.group_ranks import GroupRanks
+    from lockstep.coordinator.metrics import Metrics
+
+    _, _, address = guarded
+
+    async def why(auth: RankClientAuth) -> str:
+        ranks = GroupRanks("g0", [address], Metrics(), 5.0, 10.0, auth)
+        try:
+            return (await ranks._infos())[1]
+        finally:
+            await ranks.close()
+
+    assert "needs a group token and this coordinator has none" in asyncio.run(why(RankClientAuth()))
+    assert "refuses this coordinator's group token" in asyncio.run(why(RankClientAuth(token="not-the-token")))

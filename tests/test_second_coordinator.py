@@ -229,3 +229,28 @@ def test_a_coordinator_that_cannot_serve_never_holds_ranks_it_caught_up(ranks) -
             await right.close()
 
     assert [i.last_step for i in asyncio.run(run())] == [5, 5]  # rank 1 abstained from step 5 (caught up)
+
+
+def test_why_a_group_waits_names_every_rank_and_what_grpc_said():
+    """Found by a helper: a rank still loading, a TLS handshake refused and a dead process all read "does not answer
+    (UNAVAILABLE)", and only the first such rank was named."""
+    loading = RankServer(RankServicer(0, None), "127.0.0.1:0")  # no engine yet: it answers UNAVAILABLE, loading
+    loading.start()
+    dead = RankServer(RankServicer(1, CountingEngine(1, 2)), "127.0.0.1:0")
+    dead.start()
+    dead_port = dead.port
+    dead.stop(grace=0)
+
+    async def run() -> str:
+        ranks = GroupRanks("g0", [f"127.0.0.1:{loading.port}", f"127.0.0.1:{dead_port}"], Metrics(), 5.0, 10.0)
+        try:
+            return (await ranks._infos())[1]
+        finally:
+            await ranks.close()
+
+    try:
+        why = asyncio.run(run())
+    finally:
+        loading.stop(grace=0.2)
+    assert "rank 0 at" in why and "rank 0 is still loading its engine" in why
+    assert "rank 1 at" in why and "UNAVAILABLE" in why

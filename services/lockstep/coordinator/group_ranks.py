@@ -73,6 +73,7 @@ class GroupRanks:
                  coordinator_id: str = COORDINATOR_ID) -> None:
         self.name = name
         self.links = [RankLink(r, a, rank_auth, coordinator_id) for r, a in enumerate(addresses)]
+        self.has_token = bool(rank_auth and rank_auth.token)
         self.metrics = metrics
         self.stall_threshold = stall_threshold
         self.dead_rank_timeout = dead_rank_timeout
@@ -146,15 +147,21 @@ class GroupRanks:
         return ""
 
     async def _infos(self) -> tuple[list[RankInfo], str]:
-        infos = []
+        """Every rank's Info, or why not: each rank that did not give it, with what gRPC said (a rank still
+        loading, a TLS handshake refused and a dead process read differently, and an operator needs which)."""
+        infos, why = [], []
         for link in self.links:
             try:
                 infos.append(await link.info())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    return infos, f"rank {link.rank} at {link.address} refuses this coordinator's group token"
-                return infos, f"rank {link.rank} at {link.address} does not answer ({exc.code().name})"
-        return infos, ""
+                    why.append(f"rank {link.rank} at {link.address} refuses this coordinator's group token"
+                               if self.has_token else f"rank {link.rank} at {link.address} needs a group token and "
+                               "this coordinator has none (LOCKSTEP_GROUP_TOKEN or --group-token-file)")
+                else:
+                    details = " ".join((exc.details() or "").split())[:200]
+                    why.append(f"rank {link.rank} at {link.address} does not answer ({exc.code().name}: {details})")
+        return infos, "; ".join(why)
 
     async def _catch_up(self, step: int, behind: list[int]) -> None:
         """Have the ranks one step behind abstain from `step`, and wait (up to the dead-rank timeout) for
