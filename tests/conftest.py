@@ -30,3 +30,10 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoint_dir) -> Path:
     return checkpoint_dir("llama_gqa")
+
+
+@pytest.fixture
+def no_leak(group):
+    """After a test's load on the module's `group` (a Cluster): no page held, no step ever refused by a rank."""
+    yield
+    group.assert_clean()

@@ -31,12 +31,6 @@ def group(tiny_llama, tmp_path_factory):
     c.close()
 
 
-@pytest.fixture
-def no_leak(group):
-    yield
-    group.assert_clean()
-
-
 def test_concurrent_greedy_matches_transformers(group, reference, no_leak):
     prompts = [prompt(i, n) for i, n in enumerate([5, 17, 33, 48, 70, 9])]
     hidden = sum(group.metric("lockstep_coordinator_seconds_total", part="hidden"))

@@ -30,12 +30,6 @@ def group(tp3_model, tmp_path_factory):
     c.close()
 
 
-@pytest.fixture
-def no_leak(group):
-    yield
-    group.assert_clean()
-
-
 def test_three_ranks_decode_as_transformers_with_shared_prefixes(group, reference, no_leak):
     shared = prompt(10, 40)
     tokens_of(group, shared + prompt(11, 3), 1)  # the shared prefix's pages cached on every rank

@@ -7,6 +7,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from lockstep.coordinator.config import check_budget
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -24,9 +26,8 @@ class BenchConfig:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < self.max_num_seqs:  # the served run's coordinator refuses it
-            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"--max-num-seqs ({self.max_num_seqs})")
+        # the served run's coordinator refuses less
+        check_budget(self.max_num_batched_tokens, self.max_num_seqs, ("--max-num-batched-tokens", "--max-num-seqs"))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,17 @@ from lockstep.settings import Setting, add_settings, at_least, integer, number, 
 PORT = within(0, 65535)
 
 
+def check_budget(max_num_batched_tokens: int, max_num_seqs: int,
+                 names: tuple[str, str] = ("max_num_batched_tokens", "max_num_seqs")) -> None:
+    """ValueError unless the step's token budget covers a decode token for every running request (vLLM refuses
+    less too): no more than the budget could ever run at once. `names`: the two settings as the caller's user
+    writes them."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"{names[0]} ({max_num_batched_tokens}) must be at least {names[1]} ({max_num_seqs}): "
+                         f"every running request decodes a token per step, so no more than {names[0]} could ever "
+                         f"run at once; lower --max-num-seqs or raise the budget")
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     """Everything the coordinator of one or more groups needs besides the model's own files."""
@@ -60,10 +71,7 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM refuses it too
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                             f"({self.max_num_seqs}): every running request decodes a token per step, so no more than "
-                             f"max_num_batched_tokens could ever run at once; lower --max-num-seqs or raise the budget")
+        check_budget(self.max_num_batched_tokens, self.max_num_seqs)
         if type(self.api_workers) is not int or not 0 <= self.api_workers <= 64:
             raise ValueError(f"api_workers must be an integer in [0, 64], got {self.api_workers!r}")
         if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
