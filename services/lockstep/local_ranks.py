@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lockstep.local_group import free_port
 
+EXIT_GROUP_BROKEN = 3  # a rank's exit code once its group broke (a peer died mid-collective): restarted
 EXIT_UNSERVABLE = 4  # a rank's exit code for a checkpoint it cannot serve (its log says why): not restarted
 
 
