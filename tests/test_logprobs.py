@@ -406,7 +406,7 @@ def test_max_logprobs_is_the_coordinators_setting(group, no_leak):
     assert len(out["choices"][0]["logprobs"]["top_logprobs"]) == 2
     status, err = group.complete({**body, "logprobs": MAX_LOGPROBS + 1})
     assert status == 400 and err["error"]["param"] == "logprobs" and str(MAX_LOGPROBS) in err["error"]["message"]
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True, "logprobs": True,
             "top_logprobs": MAX_LOGPROBS}
     status, out = http("POST", group.url + CHAT, chat)
     assert status == 200, out
