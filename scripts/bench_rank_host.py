@@ -75,8 +75,8 @@ def run(batch: int, steps: int, warmup: int, min_prompt: int, max_prompt: int, p
         marks.append(time.perf_counter())
         engine._inputs(chunks)
         marks.append(time.perf_counter())
-        engine.drawn = {r: engine._draw(r, s, i) for r, s, i in zip(chunks.request_ids, chunks.sampling,
-                                                                     chunks.sample_index, strict=True)}
+        engine.drawn = dict(zip(chunks.request_ids, engine._draws(chunks.request_ids, chunks.sampling,
+                                                                  chunks.sample_index), strict=True))
         marks.append(time.perf_counter())
         engine.cache.advance_all(chunks)
         marks.append(time.perf_counter())

@@ -211,7 +211,9 @@ def test_killed_rank_fails_requests_with_503_then_a_new_group_serves(tiny_llama,
     try:
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(c.complete, {"prompt": prompt(800, 10), "max_tokens": 480, "ignore_eos": True})
-            time.sleep(1.0)
+            deadline = time.monotonic() + 20  # in flight: generating (a fixed wait could outlast its 480 tokens)
+            while time.monotonic() < deadline and not sum(c.metric("lockstep_generation_tokens_total")):
+                time.sleep(0.05)
             os.kill(c.ranks[1].pid, signal.SIGKILL)
             t0 = time.monotonic()
             status, body = fut.result(timeout=30)

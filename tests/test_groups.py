@@ -199,7 +199,7 @@ def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(tiny_ll
         with ThreadPoolExecutor(2) as pool:
             futs = []
             for i, state in enumerate(("running", "waiting")):  # one running (max_num_seqs 1), one waiting
-                futs.append(pool.submit(complete, c, prompt(70 + i, 20), 200))
+                futs.append(pool.submit(complete, c, prompt(70 + i, 20), 480))  # busy long enough to see both
                 deadline = time.monotonic() + 20
                 while sum(c.metric("lockstep_requests", state=state)) < 1 and time.monotonic() < deadline:
                     time.sleep(0.02)
@@ -213,7 +213,7 @@ def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(tiny_ll
                 assert exc.code == 503 and int(exc.headers["Retry-After"]) >= 1
                 assert json.loads(exc.read())["error"]["code"] == "server_overloaded"
             assert c.metric("lockstep_requests_rejected_total", reason="server_overloaded") == [1.0]
-            assert all(len(f.result(timeout=120)["choices"][0]["token_ids"]) == 200 for f in futs)
+            assert all(len(f.result(timeout=120)["choices"][0]["token_ids"]) == 480 for f in futs)
         c.assert_no_leak()
     finally:
         c.close()

@@ -54,7 +54,7 @@ def test_sync_streams_end_with_a_usage_chunk(served):
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=TOKENS, stream=True,
+                                               max_tokens=TOKENS, temperature=0, stream=True,
                                                stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chat if c.choices]
     assert deltas[0].role == "assistant" and all(isinstance(d.content, str) for d in deltas)

@@ -47,7 +47,8 @@ def drive(w: Workload) -> Group:
     reqs, steps = [], []
     for i, (step, pre, plen, own, max_tokens, stop) in enumerate(w.arrivals):
         for c in range(1 + w.copies.get(i, 0)):  # the same prompt, as n choices or concurrent clients send it
-            reqs.append(Request(f"r{i}-{c}", PREFIXES[pre][:plen] + own, SamplingParams(), max_tokens,
+            # a seed of its own, so a workload draws the same tokens (and stops) every run: a failure replays
+            reqs.append(Request(f"r{i}-{c}", PREFIXES[pre][:plen] + own, SamplingParams(seed=len(reqs)), max_tokens,
                                 [3] if stop else ()))
             steps.append(step)
     order = sorted(range(len(reqs)), key=lambda i: steps[i])

@@ -16,7 +16,6 @@ that one small all-reduce, so no rank ever skips a collective that the others en
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -33,6 +32,7 @@ from lockstep.kv.paging import POOL_SLIDING, pool_window
 from lockstep.kv.rank_cache import RankCache, StepRefused
 from lockstep.model.attention_batch import AttentionBatch
 from lockstep.model.config import ModelConfig
+from lockstep.model.draw_seeds import row_seeds
 from lockstep.model.kv_cache import KVCache
 from lockstep.model.llama import LlamaModel
 from lockstep.model.loader import load_model
@@ -50,13 +50,6 @@ SAMPLING_RANK = 0
 # pending tokens (overlap) that ride in the agreement all-reduce itself; a batch with more sends the rest in a
 # second one. 64 float64 slots add 512 bytes to a one-number collective: nothing next to its latency.
 AGREEMENT_SLOTS = 64
-
-
-def sample_seed(request_id: str, seed: int | None, sample_index: int) -> int:
-    """Per-draw seed every rank derives alike, so a recompute after preemption draws the same tokens."""
-    base = f"{request_id}" if seed is None else f"seed:{seed}"
-    digest = hashlib.blake2b(f"{base}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class Engine:
@@ -260,8 +253,8 @@ class Engine:
         if rows and self.comm.rank == SAMPLING_RANK:
             rids, indexes = batch.request_ids, batch.sample_index
             params = [batch.sampling[i] for i in rows]
-            tokens = sample(self._adjusted(batch, rows, logits), params,
-                            lambda j: sample_seed(rids[rows[j]], params[j].seed, indexes[rows[j]]))
+            tokens = sample(self._adjusted(batch, rows, logits), params, row_seeds(
+                [rids[i] for i in rows], params, [indexes[i] for i in rows]))
             sampled = tuple(Sampled(rids[i], t) for i, t in zip(rows, tokens, strict=True))
             sampled = _with_logprobs(sampled, logits[rows], [p.logprobs for p in params])
         self.cache.advance_all(batch)

@@ -22,20 +22,20 @@ import json
 import logging
 import sys
 import time
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lockstep.chunk_columns import ChunkColumns
-from lockstep.engine import Engine, sample_seed
+from lockstep.engine import Engine
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
 from lockstep.kv.paging import POOL_FULL
 from lockstep.kv.rank_cache import RankCache
 from lockstep.model.config import ModelConfig
+from lockstep.model.draw_seeds import draw_seeds, seed_bases
 from lockstep.model.kv_cache import KVCache
 from lockstep.model.sampling import is_greedy
 from lockstep.parallel.comm import Comm, init_comm, single_comm
@@ -92,25 +92,27 @@ class NoopForwardEngine(Engine):
         if self.agreement:
             return super()._pending_tokens(plan, error)
         b = ChunkColumns.of(plan.batch)
-        return [self._draw(b.request_ids[i], b.sampling[i], b.sample_index[i] - 1) for i in b.pending()], error
+        pending = b.pending()
+        return self._draws([b.request_ids[i] for i in pending], [b.sampling[i] for i in pending],
+                           [b.sample_index[i] - 1 for i in pending]), error
 
     def _agree(self, step: int, error: str, drawn: list[int]) -> tuple[bool, list[int]]:
         return super()._agree(step, error, drawn) if self.agreement else (bool(error), drawn)
 
-    def _draw(self, request_id: str, sampling: SamplingParams, index: int) -> int:
-        """A token only (request, index) decides: a greedy row's from its index alone (the real sampler derives no
-        seed for it), a drawn row's from its per-draw seed, as the real sampler's."""
-        if is_greedy(sampling):
-            mixed = zlib.crc32(f"{request_id}/{index}".encode())
-        else:
-            mixed = sample_seed(request_id, sampling.seed, index)
-        return FIRST_TOKEN + mixed % (self.config.vocab_size - FIRST_TOKEN)
+    def _draws(self, request_ids: Sequence[str], params: Sequence[SamplingParams], indexes: Sequence[int]
+               ) -> list[int]:
+        """Tokens only (request, index) decide, from the per-draw seeds the real sampler derives (`draw_seeds`):
+        a greedy row's from its request id (the real sampler takes its argmax and derives none)."""
+        bases = seed_bases(request_ids, [None if is_greedy(p) else p.seed for p in params])
+        span = self.config.vocab_size - FIRST_TOKEN
+        return [FIRST_TOKEN + seed % span for seed in draw_seeds(bases, indexes)]
 
     def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
-        sampled = tuple(Sampled(rid, self._draw(rid, s, i))
-                        for rid, s, i, go in zip(batch.request_ids, batch.sampling, batch.sample_index, batch.sample,
-                                                 strict=True) if go)
+        rows = [i for i, go in enumerate(batch.sample) if go]
+        rids = [batch.request_ids[i] for i in rows]
+        tokens = self._draws(rids, [batch.sampling[i] for i in rows], [batch.sample_index[i] for i in rows])
+        sampled = tuple(Sampled(rid, t) for rid, t in zip(rids, tokens, strict=True))
         self.cache.advance_all(batch)
         return sampled, ()
 
