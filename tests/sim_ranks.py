@@ -25,8 +25,9 @@ SALT = key_salt("sim-model", 4)
 VOCAB = 50
 
 
-def fake_sample(seed: int, sample_index: int, context: list[int]) -> int:
-    data = struct.pack(f"<qq{len(context)}I", seed, sample_index, *context)
+def fake_sample(seed: int | None, sample_index: int, context: list[int]) -> int:
+    """A token of the context and the draw alone; a greedy request's (no seed) of its context alone."""
+    data = struct.pack(f"<qq{len(context)}I", -1 if seed is None else seed, sample_index, *context)
     return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little") % VOCAB
 
 
@@ -239,7 +240,7 @@ class Group:
             assert c.token_ids == req.token_ids(c.start, end)
             assert c.sample == (end == req.num_tokens)
             assert c.sample_index == len(req.generated)
-            assert c.sampling.seed is not None
+            assert c.sampling.seed is not None or not c.sampling.temperature > 0  # every draw has a seed
         if not sched.prefix_caching:
             assert not plan.probes and all(not a.prefix_keys for a in plan.admits)
 

@@ -26,8 +26,10 @@ def test_chunked_prefill_then_decode_with_positions_and_sample_index():
         [(0, 8, False, 0)], [(8, 8, False, 0)], [(16, 4, True, 0)], [(20, 1, True, 1)], [(21, 1, True, 2)]
     ]
     assert req.generated == reference(req) and req.finish_reason == "length"
-    assert 0 <= req.sampling.seed < 1 << 63
-    assert Request("a", [1], max_tokens=1).sampling.seed != req.sampling.seed  # the same id draws afresh
+    assert req.sampling.seed is None  # greedy: it draws nothing, so its parameters are every greedy request's
+    hot = SamplingParams(temperature=1.0)
+    drawn = Request("a", [1], hot, max_tokens=1).sampling.seed
+    assert 0 <= drawn < 1 << 63 and Request("a", [1], hot, max_tokens=1).sampling.seed != drawn  # the id draws afresh
     assert [e.kind for e in g.events] == [TOKEN, TOKEN, TOKEN, FINISHED]
     assert "a" in g.plans[-1].releases
     g.ranks[0].assert_idle()

@@ -100,7 +100,9 @@ class Request:
         _check_sampling(sampling)
         self.request_id = request_id
         self.prompt_token_ids = prompt
-        seed = default_seed() if sampling.seed is None else sampling.seed
+        # a greedy request draws nothing, so it gets no seed: its parameters stay the ones every greedy request of
+        # its kind shares, and a plan's table holds them once (a seed each made 256 entries of a step at batch 256)
+        seed = default_seed() if sampling.seed is None and sampling.temperature > 0 else sampling.seed
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(_token_ids("stop_token_ids", stop_token_ids))
         # the ranks hold the stop ids off while min_tokens are not generated (and only then need them)
