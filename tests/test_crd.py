@@ -183,7 +183,7 @@ def test_defaults_match_the_command_line_contract() -> None:
     assert full["kvCache"] == {"pageSize": 16, "memoryFraction": 0.9, "pages": 0, "prefixCaching": True,
                                "rebalance": {"enabled": True, "intervalSteps": 10, "cooldownSeconds": 120,
                                              "minSamples": 2000, "threshold": 1.25}}
-    assert full["scheduler"] == {"maxNumBatchedTokens": 512, "maxNumSeqs": 64}
+    assert full["scheduler"] == {"maxNumBatchedTokens": 512, "maxNumSeqs": 64, "longPrefillTokenThreshold": 0}
     assert full["agreement"] == {"stallThresholdSeconds": 5, "deadRankTimeoutSeconds": 30, "replayTimeoutSeconds": 300}
     assert full["coordinator"]["httpPort"] == 8000 and full["coordinator"]["grpcPort"] == 8001
     assert full["rollout"] == {"drainTimeoutSeconds": 120}

@@ -7,7 +7,7 @@ import pytest
 
 from lockstep.coordinator.group_list import parse_group_list
 from lockstep_operator import manifests as m
-from lockstep_operator.resource import normalize
+from lockstep_operator.resource import SpecError, normalize
 
 SPECS = {
     "default": {},
@@ -327,6 +327,19 @@ def test_api_workers_reach_the_coordinator_as_its_own_setting() -> None:
     c = m.coordinator_deployment("demo", "ml", spec)["spec"]["template"]["spec"]["containers"][0]
     env = {k: v for k, v in env_of(c).items() if "TOKEN" not in k}  # the mounted token file is not here
     assert parse_config([], {**env, "LOCKSTEP_GROUPS_FILE": "", "LOCKSTEP_GROUPS": "g0=a:1"}).api_workers == 3
+
+
+def test_the_scheduler_fields_reach_the_coordinator_as_its_own_settings() -> None:
+    from lockstep.coordinator.config import parse_config
+
+    spec = normalize({"scheduler": {"maxNumBatchedTokens": 300, "maxNumSeqs": 20, "longPrefillTokenThreshold": 128}})
+    c = m.coordinator_deployment("demo", "ml", spec)["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v for k, v in env_of(c).items() if "GROUP_TOKEN" not in k}  # the mounted token file is not here
+    cfg = parse_config([], {**env, "LOCKSTEP_GROUPS_FILE": "", "LOCKSTEP_GROUPS": "g0=a:1"})
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.long_prefill_token_threshold) == (300, 20, 128)
+    assert normalize({})["scheduler"]["longPrefillTokenThreshold"] == 0  # off, as vLLM's default
+    with pytest.raises(SpecError, match="longPrefillTokenThreshold"):
+        normalize({"scheduler": {"longPrefillTokenThreshold": -1}})
 
 
 def test_tls_env_names_are_the_services_own_settings() -> None:

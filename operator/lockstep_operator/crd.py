@@ -179,6 +179,9 @@ def _runtime_schemas() -> dict[str, Schema]:
             {
                 "maxNumBatchedTokens": _int(1, None, 512, "Token budget per step."),
                 "maxNumSeqs": _int(1, None, 64, "Running requests per group."),
+                "longPrefillTokenThreshold": _int(0, None, 0, (
+                    "The most tokens of a step one request's prefill chunk takes, so short requests are admitted "
+                    "beside a long prompt (vLLM's --long-prefill-token-threshold); 0: no cap.")),
             },
             default={},
         ),

@@ -322,6 +322,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "LOCKSTEP_API_WORKERS": str(coord["apiWorkers"]),
         "LOCKSTEP_MAX_BATCHED_TOKENS": str(spec["scheduler"]["maxNumBatchedTokens"]),
         "LOCKSTEP_MAX_NUM_SEQS": str(spec["scheduler"]["maxNumSeqs"]),
+        "LOCKSTEP_LONG_PREFILL_TOKEN_THRESHOLD": str(spec["scheduler"]["longPrefillTokenThreshold"]),
         "LOCKSTEP_STALL_THRESHOLD_SECONDS": str(spec["agreement"]["stallThresholdSeconds"]),
         "LOCKSTEP_DEAD_RANK_TIMEOUT_SECONDS": str(spec["agreement"]["deadRankTimeoutSeconds"]),
         "LOCKSTEP_REPLAY_TIMEOUT_SECONDS": str(spec["agreement"]["replayTimeoutSeconds"]),
