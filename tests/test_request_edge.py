@@ -412,6 +412,46 @@ def test_a_client_that_hangs_up_aborts_its_request(stream, first):
     assert len(fe.asked) == 1
 
 
+def test_idle_and_half_sent_connections_are_closed_after_the_keep_alive_but_a_long_request_is_not():
+    """aiohttp's default kept an idle connection, or one that never finished its headers, open for 75 s: a few
+    hundred such clients held their sockets that long. A request still running past the keep-alive is not cut."""
+    fe = Hanging([TokenEvent(5)])
+
+    async def closed_after(port: int, sent: bytes) -> float:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = asyncio.get_running_loop().time()
+        writer.write(sent)
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, with nothing said
+        writer.close()
+        return asyncio.get_running_loop().time() - t0
+
+    async def go() -> tuple[float, float, list[str]]:
+        port = _free_port()
+        runner = await run_app(OpenAIServer(fe).app(), "127.0.0.1", port, keep_alive=0.5)
+        try:
+            idle = await closed_after(port, b"")
+            half = await closed_after(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            chunks = []
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}{C}", json={**OK_PROMPT, "stream": True}) as resp:
+                    await asyncio.sleep(1.5)  # three keep-alives while the request runs
+                    chunks.append(await resp.content.readuntil(b"\n\n"))
+            return idle, half, chunks
+        finally:
+            await runner.cleanup()
+
+    idle, half, chunks = asyncio.run(go())
+    assert 0.4 < idle < 3 and 0.4 < half < 3
+    assert chunks[0].startswith(b"data: {")
+    from lockstep.coordinator.config import parse_config
+
+    env = {"LOCKSTEP_GROUPS": "g0=a:1"}
+    assert parse_config([], env).http_keep_alive == 5.0  # uvicorn's default, as vLLM serves
+    assert parse_config(["--timeout-keep-alive", "65"], env).http_keep_alive == 65.0
+    with pytest.raises(SystemExit):
+        parse_config(["--timeout-keep-alive", "0"], env)
+
+
 def test_grpc_requests_have_the_same_limits():
     from lockstep.coordinator.grpc_api import MAX_REQUEST_ID_CHARS
     from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb

@@ -112,7 +112,7 @@ class ApiWorkers:
         proc = subprocess.Popen(
             [sys.executable, "-m", "lockstep.coordinator.remote", "--link", self.address, "--model",
              str(self.model_dir), "--host", c.host, "--port", str(c.http_port), "--shutdown-grace",
-             str(c.shutdown_grace)], env=env)
+             str(c.shutdown_grace), "--timeout-keep-alive", str(c.http_keep_alive)], env=env)
         if slot is None:
             self.procs.append(proc)
             self.started.append(time.monotonic())

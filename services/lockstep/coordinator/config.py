@@ -41,6 +41,7 @@ class CoordinatorConfig:
     served_model_name: str = ""
     host: str = "0.0.0.0"
     http_port: int = 8000
+    http_keep_alive: float = 5.0  # seconds an idle HTTP connection stays open (uvicorn's and vLLM's default)
     grpc_port: int = 8001
     page_size: int = 16
     max_num_batched_tokens: int = 512
@@ -140,6 +141,9 @@ FRONTENDS = (
             "serve the HTTP API from this many frontend processes sharing its port, each fed one message per "
             "step by the coordinator (vLLM's --api-server-count); 0: from the coordinator's own event loop",
             within(0, 64)),
+    Setting("http_keep_alive", "--timeout-keep-alive", "LOCKSTEP_HTTP_TIMEOUT_KEEP_ALIVE", number, 5.0,
+            "seconds an idle HTTP connection, or one that has not yet sent a whole request, stays open (vLLM's "
+            "flag; behind a load balancer, set it above the balancer's idle timeout)", within(0, 86400, low_open=True)),
 )
 # The rebalance of a hybrid model's KV split (DESIGN.md "Rebalance agreement"); the coordinator and
 # `lockstep serve` take these, the ranks never (they carry out the split the plan names).

@@ -119,7 +119,8 @@ async def run(
         runner: web.AppRunner | ApiWorkers = await ApiWorkers.start(coord, config, model_dir)
         progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
     else:
-        runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace)
+        runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace,
+                               keep_alive=config.http_keep_alive)
     try:
         return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
     finally:

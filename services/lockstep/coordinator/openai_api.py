@@ -46,6 +46,7 @@ from lockstep.coordinator.request_events import settled
 
 log = logging.getLogger("lockstep.api")
 SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordinator is told to stop
+KEEP_ALIVE_S = 5.0  # how long an idle connection stays open (config.http_keep_alive)
 _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
 
 
@@ -331,13 +332,15 @@ def _query_int(request: web.Request, name: str, minimum: int) -> int | None:
 
 
 async def run_app(app: web.Application, host: str, port: int, shutdown_grace: float = SHUTDOWN_GRACE_S,
-                  reuse_port: bool = False) -> web.AppRunner:
+                  reuse_port: bool = False, keep_alive: float = KEEP_ALIVE_S) -> web.AppRunner:
     """Serve the app (no access log: /metrics is scraped every few seconds).
 
     `runner.cleanup()` stops listening at once, then gives the requests in flight `shutdown_grace`
     seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long). With
-    `reuse_port`, processes share the port (API frontends: api_workers.py)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
+    `reuse_port`, processes share the port (API frontends: api_workers.py). A connection idle for `keep_alive`
+    seconds, or that has sent no whole request by then, is closed: aiohttp's 75 s let a few hundred idle or
+    byte-a-second clients hold their sockets and buffers that long."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace, keepalive_timeout=keep_alive)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     return runner

@@ -25,7 +25,7 @@ import grpc
 from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.frontend_wire import MAX_MESSAGE, error_of, events_from_proto, spec_to_proto
 from lockstep.coordinator.generation import ApiError, GenerateSpec, TokenEvent
-from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, OpenAIServer, run_app
+from lockstep.coordinator.openai_api import KEEP_ALIVE_S, SHUTDOWN_GRACE_S, OpenAIServer, run_app
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.request_events import RequestEvents
 from lockstep.model.config import ModelConfig
@@ -175,13 +175,15 @@ class RemoteCoordinator:
 
 
 async def serve_frontend(link: str, model_dir: str, host: str, port: int, api_keys: tuple[str, ...],
-                         grace: float = SHUTDOWN_GRACE_S, connect_timeout_s: float = 600.0) -> int:
+                         grace: float = SHUTDOWN_GRACE_S, connect_timeout_s: float = 600.0,
+                         keep_alive: float = KEEP_ALIVE_S) -> int:
     """Serve the HTTP API until SIGTERM / SIGINT or until the link closes (the coordinator stopped): exit 0 for
     a signal, 1 for a lost link, so whoever started this can tell the two apart."""
     tokenizer = Tokenizer.from_dir(model_dir).for_model(ModelConfig.from_dir(model_dir).vocab_size)
     remote = RemoteCoordinator(link, tokenizer)
     await remote.connect(connect_timeout_s)
-    runner = await run_app(OpenAIServer(remote, api_keys).app(), host, port, grace, reuse_port=True)
+    runner = await run_app(OpenAIServer(remote, api_keys).app(), host, port, grace, reuse_port=True,
+                           keep_alive=keep_alive)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -205,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="the HTTP port (shared: SO_REUSEPORT)")
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S)
+    p.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = parse_api_keys([], os.environ.get("LOCKSTEP_API_KEY", ""))
-    return asyncio.run(serve_frontend(args.link, args.model, args.host, args.port, keys, args.shutdown_grace))
+    return asyncio.run(serve_frontend(args.link, args.model, args.host, args.port, keys, args.shutdown_grace,
+                                      keep_alive=args.timeout_keep_alive))
 
 
 if __name__ == "__main__":
