@@ -215,6 +215,10 @@ def _runtime_schemas() -> dict[str, Schema]:
                 "apiWorkers": _int(0, 64, 0, "HTTP API frontend processes in the coordinator's pod, sharing its "
                                    "port and fed one message per step (vLLM's --api-server-count); 0: the API runs "
                                    "on the coordinator's own event loop. Give the pod a CPU per frontend."),
+                "httpKeepAliveSeconds": _num(0, 86400, 65, exclusive_minimum=True, description=(
+                    "How long an idle HTTP connection stays open. Keep it above the idle timeout of whatever "
+                    "reuses connections in front (nginx and AWS ALB: 60 s; Google Cloud's: 600 s), or it may "
+                    "send on a connection being closed and answer 502.")),
                 "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
                                         "Coordinator resources (it runs no model)."),
             },
