@@ -352,3 +352,15 @@ def test_a_stream_of_no_tokens_says_nothing_however_its_prompt_ends(ours: Tokeni
     """Found by hypothesis in CI: a prompt of four byte tokens that are no character ([175, 97, 97, 127]) and no
     generated token flushed three U+FFFD, text the full decode does not hold."""
     assert _stream(ours, [], [175, 97, 97, 127]) == [""]
+
+
+@pytest.mark.parametrize(("prompt", "ids", "text"), [
+    ([175, 256, 249, 225, 226, 141], [108], "ά"),  # bytes F0 9F 98 80 (😀), 81 (broken), CE; then AC: 'ά'
+    ([138, 179, 233, 110, 124, 226, 141], [108, 160, 126, 201, 120], "ά\ufffd\n\ufffd"),  # as the search found it
+])
+def test_a_broken_byte_before_a_prompts_unfinished_character_stays_in_the_prompt(
+        ours: Tokenizer, prompt: list[int], ids: list[int], text: str) -> None:
+    """Found by a random search: the decoder stepped back over every trailing U+FFFD of the prompt, past the
+    lone byte 81 into the 4-byte character before it, and streamed that character's last bytes as U+FFFD."""
+    assert ours.decode(prompt + ids) == ours.decode(prompt[:-1]) + text
+    assert "".join(_stream(ours, ids, prompt)) == text
