@@ -3,6 +3,7 @@ no-op engine stays a benchmark mode that no serving command can reach."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,9 +23,11 @@ def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_p
     count them from its columns."""
     cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40,
                              overlap=overlap, frontends=frontends)
-    runs, profiler = run_all([cfg], tmp_path)
+    pinned = (max(os.sched_getaffinity(0)),) if overlap and not frontends else ()  # as --split-cores runs the ranks
+    runs, profiler = run_all([cfg], tmp_path, rank_cpus=pinned)
     assert profiler is None
     raw = runs[0]
+    assert raw.rank_stats[0]["cpus"] == list(pinned or sorted(os.sched_getaffinity(0)))
     # every request ended by max_tokens, its client got every token, and the ranks hold nothing afterwards
     assert raw.tokens == [cfg.max_tokens] * BATCH
     assert raw.finish_reasons == ["length"] * BATCH

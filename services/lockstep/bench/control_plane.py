@@ -304,7 +304,7 @@ class BenchRanks:
     """`tp` benchmark rank processes on free local ports, started once for several runs."""
 
     def __init__(self, tp: int, agreement: bool, kv_pages: int, max_model_len: int, page_size: int,
-                 prefix_caching: bool, work_dir: Path) -> None:
+                 prefix_caching: bool, work_dir: Path, cpus: tuple[int, ...] = ()) -> None:
         self.tp = tp
         self.work_dir = work_dir
         ports = [free_port() for _ in range(tp)]
@@ -320,6 +320,7 @@ class BenchRanks:
                    "--stats", str(self.stats_paths[r])]
             cmd += [] if agreement else ["--no-agreement"]
             cmd += [] if prefix_caching else ["--no-prefix-caching"]
+            cmd += ["--cpu", str(cpus[r % len(cpus)])] if cpus else []
             with open(self.stats_paths[r].with_suffix(".log"), "wb") as out:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
 
@@ -335,10 +336,11 @@ class BenchRanks:
         return stats
 
 
-async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile: bool = False
-                      ) -> tuple[list[RunRaw], cProfile.Profile | None]:
+async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile: bool = False,
+                      rank_cpus: tuple[int, ...] = ()) -> tuple[list[RunRaw], cProfile.Profile | None]:
     """Every run, grouped by (TP, agreement) so one set of ranks serves all its batches; with `profile`, the
-    coordinator is profiled during the steady steps of the first group's largest batch."""
+    coordinator is profiled during the steady steps of the first group's largest batch. With `rank_cpus`, rank r
+    runs on core rank_cpus[r % len] alone."""
     groups: dict[tuple[int, bool], list[ControlPlaneConfig]] = {}
     for cfg in configs:
         groups.setdefault((cfg.tp, cfg.agreement), []).append(cfg)
@@ -347,7 +349,7 @@ async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile
     for (tp, agreement), cfgs in groups.items():
         big = max(cfgs, key=lambda c: c.kv_pages)
         ranks = BenchRanks(tp, agreement, big.kv_pages, max(c.max_model_len for c in cfgs), big.page_size,
-                           big.prefix_caching, work_dir)
+                           big.prefix_caching, work_dir, rank_cpus)
         mine: list[RunRaw] = []
         try:
             for cfg in cfgs:
@@ -365,11 +367,11 @@ async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile
     return runs, profiler
 
 
-def run_all(configs: list[ControlPlaneConfig], work_dir: Path | None = None, profile: bool = False
-            ) -> tuple[list[RunRaw], cProfile.Profile | None]:
+def run_all(configs: list[ControlPlaneConfig], work_dir: Path | None = None, profile: bool = False,
+            rank_cpus: tuple[int, ...] = ()) -> tuple[list[RunRaw], cProfile.Profile | None]:
     """`run_configs` in a fresh event loop, in `work_dir` (a temporary directory unless given)."""
     if work_dir is not None:
         work_dir.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(run_configs(configs, work_dir, profile))
+        return asyncio.run(run_configs(configs, work_dir, profile, rank_cpus))
     with tempfile.TemporaryDirectory(prefix="lockstep-cp-") as tmp:
-        return asyncio.run(run_configs(configs, Path(tmp), profile))
+        return asyncio.run(run_configs(configs, Path(tmp), profile, rank_cpus))

@@ -9,6 +9,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import pstats
 import sys
 from pathlib import Path
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
                         "top N functions by own time")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--work-dir", type=Path, help="keep the ranks' logs and stats here")
+    p.add_argument("--split-cores", action="store_true",
+                   help="the coordinator on the first core this process may use, the ranks on the others (as on a "
+                        "GPU host, where they do not share cores); else all share every core")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.min_prompt < 1 or args.min_prompt > args.max_prompt:
         p.error("--steps must be >= 1, --warmup >= 0 and 1 <= --min-prompt <= --max-prompt")
@@ -82,10 +86,19 @@ def profile_text(args: argparse.Namespace, work_dir: Path | None) -> str:
     return out.getvalue()
 
 
+def split_cores() -> tuple[int, ...]:
+    """Pin this process (the coordinator) to its first core; the cores left, for the ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs at least two cores")
+    os.sched_setaffinity(0, {cores[0]})
+    return tuple(cores[1:])
+
+
 def main(argv: list[str] | None = None, prog: str = "bench_control_plane.py") -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
-    runs, _ = run_all(configs(args), args.work_dir)
+    runs, _ = run_all(configs(args), args.work_dir, rank_cpus=split_cores() if args.split_cores else ())
     rows = [summarize(raw) for raw in runs]
     print(format_table(rows))
     if args.profile:

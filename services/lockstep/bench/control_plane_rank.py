@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -155,6 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-agreement", action="store_true", help="skip the agreement all-reduce (TP > 1)")
+    p.add_argument("--cpu", type=int, help="run on this core alone (the benchmark's --split-cores)")
     p.add_argument("--stats", type=Path, required=True, help="write the per-step wire times and final state here")
     return p.parse_args(argv)
 
@@ -162,6 +164,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     cfg = RankConfig(rank=args.rank, world_size=args.world_size, rendezvous=args.rendezvous, host="127.0.0.1",
                      port=args.port, model=MODEL_ID, page_size=args.page_size, kv_pages=args.kv_pages,
                      kv_memory_fraction=None, prefix_caching=not args.no_prefix_caching, threads=1)
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     wire_times.install()
     code = run(cfg, factory)
     state: dict[str, Any] = {"rank": args.rank, "exit": code, "plan_s": wire_times.plan_s,
-                             "report_s": wire_times.report_s}
+                             "report_s": wire_times.report_s, "cpus": sorted(os.sched_getaffinity(0))}
     if engines:
         cache = engines[0].cache
         try:
