@@ -402,7 +402,7 @@ def test_rank_process_health_then_sigterm_exits_cleanly():
 
 
 @pytest.mark.parametrize("threads, named", [(2, "built-on-main=False steps-on-builder=True"),
-                                             (1, "built-on-main=True steps-on-builder=False")])
+                                             (1, "built-on-main=False steps-on-builder=False")])
 def test_rank_process_builds_its_engine_and_runs_every_step_on_one_thread_not_the_main_one(threads, named):
     """With torch threads, one engine thread does it all; with one (no OpenMP team) the steps stay on the
     server's handler threads, where they cost no hop."""
@@ -431,6 +431,41 @@ def test_rank_process_sigterm_while_loading_exits_cleanly():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert time.monotonic() - started < 10
+    finally:
+        channel.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_while_waiting_for_the_peers_exits_cleanly(tiny_llama, tmp_path, rank):
+    """Found by a helper: a rank of one torch thread built its engine on the main thread, so while the group's
+    rendezvous waited for a peer (torch's C++ TCP store: rank 0 serving it, rank 1 retrying to reach it) Python never
+    ran its SIGTERM handler, and the rank kept waiting for up to the store's 10-minute timeout: in a rolling restart
+    the kubelet had to SIGKILL it after the grace period."""
+    from lockstep.local_ranks import rank_command
+
+    port = _free_port()
+    cmd = rank_command(rank, 2, f"127.0.0.1:{_free_port()}", port, tiny_llama, 16, 8, threads=1)
+    log = tmp_path / "rank.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        _wait_for_health(channel, health_pb2.HealthCheckResponse.NOT_SERVING, time.monotonic() + 60)
+        time.sleep(4.0)  # the tiny checkpoint is read: the rank waits in the rendezvous for its peer, who never comes
+        assert proc.poll() is None, log.read_text()
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=20) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            tail = log.read_text()[-3000:]
+            raise AssertionError(f"SIGTERM did not stop a rank waiting for its peers:\n{tail}") from None
+        assert time.monotonic() - started < 10
+        assert "SIGTERM received" in log.read_text()
     finally:
         channel.close()
         if proc.poll() is None:

@@ -162,9 +162,10 @@ class EngineThread:
     torch's CPU kernels run on an OpenMP team per calling thread. With the engine built on the main thread and
     its steps run on the gRPC server's handler threads, two teams of spinning threads share the cores, and a
     decode step at batch 32 took 1.9x as long as in one thread (lockstep bench, TP 1: 397 against 205 ms).
-    A daemon thread, so a rank told to stop while it loads or sits in a collective still exits. Only for ranks
-    of more than one torch thread: with one there is no team, and the hop to this thread and back costs a
-    rank sharing its core with others (`lockstep serve --tp 3` on two cores: 1.78 s first curl against 2.19).
+    A daemon thread, so a rank told to stop while it loads or sits in a collective still exits. Its steps run
+    here only for ranks of more than one torch thread: with one there is no team, and the hop to this thread and
+    back costs a rank sharing its core with others (`lockstep serve --tp 3` on two cores: 1.78 s first curl
+    against 2.19); such a rank still builds its engine here, so that its main thread stays free for SIGTERM.
     """
 
     def __init__(self) -> None:
@@ -277,11 +278,15 @@ def _watch_parent(pid: int, rank: int) -> None:
 
 
 def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
-    """The engine, on an engine thread of its own where the rank runs several torch threads (EngineThread)."""
-    if cfg.threads <= 1:
-        return _create(factory, cfg)
+    """The engine, built on an engine thread of its own; where the rank runs several torch threads its steps run
+    there too (EngineThread), with one they run on the server's handler threads.
+
+    Never built on the main thread: the group's rendezvous blocks in torch's C++ (the TCP store waits for every
+    peer, up to its 10-minute timeout) and Python runs the SIGTERM handler only once that call returns, so a rank
+    told to stop while its peers had not come kept waiting, until the kubelet's SIGKILL or `lockstep serve`'s."""
     thread = EngineThread()
-    return _OnEngineThread(thread.call(_create, factory, cfg).result(), thread)
+    engine = thread.call(_create, factory, cfg).result()
+    return engine if cfg.threads <= 1 else _OnEngineThread(engine, thread)
 
 
 def _create(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
