@@ -389,3 +389,26 @@ def test_why_a_group_waits_says_whether_the_coordinator_has_a_token_at_all(guard
 
     assert "needs a group token and this coordinator has none" in asyncio.run(why(RankClientAuth()))
     assert "refuses this coordinator's group token" in asyncio.run(why(RankClientAuth(token="not-the-token")))
+
+
+def test_a_refused_group_token_is_logged_as_an_error_since_no_wait_fixes_it(guarded, caplog):
+    """Found by a helper: it was logged at INFO, as a rank still loading is."""
+    from lockstep.coordinator.group_ranks import GroupRanks
+    from lockstep.coordinator.metrics import Metrics
+
+    _, _, address = guarded
+    heard: list[str] = []
+
+    async def connect() -> None:
+        ranks = GroupRanks("g0", [address], Metrics(), 5.0, 10.0, RankClientAuth(token="not-the-token"))
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ranks.connect(heard.append), 2.0)
+        finally:
+            await ranks.close()
+
+    with caplog.at_level(logging.INFO, logger="lockstep.group"):
+        asyncio.run(connect())
+    assert heard and "refuses this coordinator's group token" in heard[0]
+    waits = [r for r in caplog.records if "waiting for its ranks" in r.getMessage()]
+    assert waits and all(r.levelno == logging.ERROR for r in waits)

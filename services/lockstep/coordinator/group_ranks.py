@@ -79,6 +79,7 @@ class GroupRanks:
         self.dead_rank_timeout = dead_rank_timeout
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.early: list[Report] = []  # reports of a later step that came during a wait (a plan sent ahead)
+        self.token_refused = False  # a rank refused this coordinator's group token at the last Info
 
     def __len__(self) -> int:
         return len(self.links)
@@ -109,7 +110,8 @@ class GroupRanks:
             for link in self.links:  # a coordinator that waits holds no rank: another may be the one that can serve
                 link.stop()
             if why != said:
-                log.log(logging.ERROR if refused else logging.INFO, "group %s: waiting for its ranks: %s",
+                lasting = refused or self.token_refused  # no wait fixes these: an operator must
+                log.log(logging.ERROR if lasting else logging.INFO, "group %s: waiting for its ranks: %s",
                         self.name, why)
                 waiting(why)
                 said = why
@@ -150,11 +152,13 @@ class GroupRanks:
         """Every rank's Info, or why not: each rank that did not give it, with what gRPC said (a rank still
         loading, a TLS handshake refused and a dead process read differently, and an operator needs which)."""
         infos, why = [], []
+        self.token_refused = False
         for link in self.links:
             try:
                 infos.append(await link.info())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    self.token_refused = True
                     why.append(f"rank {link.rank} at {link.address} refuses this coordinator's group token"
                                if self.has_token else f"rank {link.rank} at {link.address} needs a group token and "
                                "this coordinator has none (LOCKSTEP_GROUP_TOKEN or --group-token-file)")
