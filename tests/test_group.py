@@ -248,14 +248,12 @@ def _restart_exited(c: Cluster, exits: list[tuple[int, int]]) -> None:
             c.ranks[r] = c._spawn(list(proc.args), c._env(), f"g0-rank{r}-again")
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not fixed yet: a group whose rank restarted alone while no coordinator "
-                   "drove it never forms again without a supervisor that recreates the whole group")
 def test_a_rank_restarted_alone_while_no_coordinator_drove_the_group_is_taken_back(tiny_llama, tmp_path):
     """Found by a helper: rank 1 killed and started again with its same command line while the coordinator was
     away (restarting). Rank 0 served on, idle, in a group that had lost rank 1, for ever (nothing drove it into a
     collective that would fail); the new rank 1 waited at the rendezvous, which only the old rank 0's store
-    answered; the new coordinator said "rank 1 is still loading its engine" for ever."""
+    answered; the new coordinator said "rank 1 is still loading its engine" for ever. Now the new rank 1 finds
+    the old group's mark in the store and tells it; rank 0 exits 3 and, started again, forms a new group."""
     c = Cluster(tiny_llama, tp=2, kv_pages=64, log_dir=tmp_path, coordinator_args=["--dead-rank-timeout", "3"])
     exits: list[tuple[int, int]] = []
     try:

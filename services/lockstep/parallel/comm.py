@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.device import dist_backend
+from lockstep.parallel.group_watch import GroupWatch, mark_formed, wait_for_fresh_store, watch_group
 from lockstep.parallel.shm_allreduce import ShmAllReduce, join_group
 
 log = logging.getLogger("lockstep.comm")
@@ -35,6 +36,7 @@ class Comm:
         self.backend = backend
         self.group = group  # the process group the collectives run in (None: the default one)
         self.shm = shm  # when set, all_reduce and all_gather go through shared memory instead
+        self.watch: GroupWatch | None = None  # polls the group's store while it stands (group_watch.py)
 
     @property
     def transport(self) -> str:
@@ -66,6 +68,9 @@ class Comm:
 
     def close(self) -> None:
         """Leave the process group (a torch.distributed group cannot take a new member later)."""
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         if self.shm is not None:
             self.shm.close()
             self.shm = None
@@ -105,6 +110,8 @@ def init_comm(
         torch.cuda.set_device(device)
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; one group per process")
+    if rank > 0:  # rank 0 makes the store; the others must not join one whose group formed without them
+        wait_for_fresh_store(host, port, rank, timeout_s)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}",
@@ -123,6 +130,8 @@ def init_comm(
     elif os.environ.get(COMM_ENV, "").strip().lower() == "shm":
         log.warning("rank %d: %s=shm ignored: the tensors live on %s, so NCCL carries them", rank, COMM_ENV, device)
     comm = Comm(rank, world_size, backend, group, shm)
+    mark_formed(host, port)  # by every rank, before its watch looks for the mark (rank 0 may come later)
+    comm.watch = watch_group(host, port)
     log.info("rank %d: collectives over %s", rank, comm.transport)
     return comm
 

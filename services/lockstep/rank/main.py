@@ -26,6 +26,7 @@ from lockstep.engine_config import DTYPE, EngineConfig
 from lockstep.local_ranks import EXIT_GROUP_BROKEN, EXIT_UNSERVABLE
 from lockstep.model.checkpoint_files import CheckpointError
 from lockstep.model.config import UnsupportedModelError
+from lockstep.parallel.group_watch import on_group_broken
 from lockstep.rank.service import RankServer, RankServicer, StepEngine
 from lockstep.rank_auth import RANK_SETTINGS, RankServerAuth, server_auth
 from lockstep.settings import Setting, add_settings, at_least, integer, number, resolve, within
@@ -201,12 +202,36 @@ class _OnEngineThread:
         return self.engine.info()
 
 
+class _Ending:
+    """Why the rank stops: told to (exit 0), or its group broke (exit EXIT_GROUP_BROKEN, to be made anew)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.stop = threading.Event()
+        self.broken: list[str] = []
+
+    def fatal(self, why: str) -> None:
+        log.error("rank %d: %s; exiting so that the group is recreated", self.rank, why)
+        self.broken.append(why)
+        self.stop.set()
+
+    def group_broken(self, why: str) -> None:
+        """From the group's watch (group_watch.py): not while the rank stops anyway (its peers stop with it)."""
+        if not self.stop.is_set():
+            self.fatal(why)
+
+    @property
+    def code(self) -> int:
+        return EXIT_GROUP_BROKEN if self.broken else 0
+
+
 def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = create_engine) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status."""
     import torch
 
     torch.set_num_threads(cfg.threads)
-    stop = threading.Event()
+    ending = _Ending(cfg.rank)
+    stop = ending.stop
     loading = True
 
     def on_signal(signum: int, _frame) -> None:
@@ -220,14 +245,8 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
     if parent.isdigit():
         threading.Thread(target=_watch_parent, args=(int(parent), cfg.rank), daemon=True,
                          name="parent-watch").start()
-    broken: list[str] = []
-
-    def on_fatal(why: str) -> None:
-        log.error("rank %d: %s; exiting so that the group is recreated", cfg.rank, why)
-        broken.append(why)
-        stop.set()
-
-    servicer = RankServicer(cfg.rank, on_fatal=on_fatal)
+    servicer = RankServicer(cfg.rank, on_fatal=ending.fatal)
+    on_group_broken(ending.group_broken)
     server = RankServer(servicer, _address(cfg.host, cfg.port), auth=cfg.auth,
                         health_address=None if cfg.health_port is None else _address(cfg.host, cfg.health_port))
     server.start()
@@ -255,7 +274,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
         stop.wait()
-        return EXIT_GROUP_BROKEN if broken else 0
+        return ending.code
     finally:
         server.stop()
         for s, handler in previous.items():
