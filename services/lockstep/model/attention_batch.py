@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
 from lockstep.device import attention_call_tokens
 from lockstep.kv.paging import first_page, pages_for
+from lockstep.model.decode_masks import DecodeMasks, pattern_span
 
 
 @dataclass(frozen=True)
@@ -128,25 +129,34 @@ class AttentionBatch:
         """
         if not rows:
             raise ValueError("an attention batch needs at least one sequence")
-        if not len(rows) == len(starts) == len(lens):
-            raise ValueError(f"{len(rows)} rows, {len(starts)} starts and {len(lens)} lengths for one batch")
-        if min(lens) < 1 or min(starts) < 0:
-            raise ValueError(f"every sequence needs a start >= 0 and a token, got starts {min(starts)}.., "
-                             f"lengths {min(lens)}..")
-        if min(rows) < 0 or max(rows) >= table.shape[0]:  # numpy would wrap a negative one to the last row
-            raise ValueError(f"rows {min(rows)}..{max(rows)} of a table of {table.shape[0]} rows")
-        cols, end = table.shape[1], max(map(operator.add, starts, lens))
+        n = len(rows)
+        if not n == len(starts) == len(lens):
+            raise ValueError(f"{n} rows, {len(starts)} starts and {len(lens)} lengths for one batch")
+        if lens.count(1) == n:  # a decode step: one token per sequence, so every column is an array operation
+            singles = np.fromiter(chain(rows, starts, range(n)), np.int64, 3 * n).reshape(3, n)  # row, pos, query
+            (row_lo, start_lo), (row_hi, start_hi) = singles[:2].min(1).tolist(), singles[:2].max(1).tolist()
+            len_lo, end = 1, start_hi + 1
+        else:
+            singles = None
+            row_lo, row_hi, start_lo, len_lo = min(rows), max(rows), min(starts), min(lens)
+            end = max(map(operator.add, starts, lens))
+        if len_lo < 1 or start_lo < 0:
+            raise ValueError(f"every sequence needs a start >= 0 and a token, got starts {start_lo}.., "
+                             f"lengths {len_lo}..")
+        if row_lo < 0 or row_hi >= table.shape[0]:  # numpy would wrap a negative one to the last row
+            raise ValueError(f"rows {row_lo}..{row_hi} of a table of {table.shape[0]} rows")
+        cols = table.shape[1]
         if pages_for(end, page_size) > cols:
             raise ValueError(f"positions up to {end} need more than the table's {cols} pages")
-        if max(lens) == 1:  # a decode step: one token per sequence, so every column is an array operation
-            n = len(rows)
-            singles = np.array((rows, starts, range(n)), dtype=np.int64)  # row, position, query row
+        if singles is not None:
             pos, lasts = singles[1], singles[2]
-            cells = singles[0] * cols + pos // page_size
+            page, offset = np.divmod(pos, page_size)
+            cells = singles[0] * cols + page
             single_seqs = tuple(range(n))
         else:
             pos, cells, lasts, singles, single_seqs = _mixed_columns(rows, starts, lens, cols, page_size)
-        slots = table.numpy().reshape(-1)[cells].astype(np.int64) * page_size + pos % page_size
+            offset = pos % page_size
+        slots = table.numpy().reshape(-1)[cells].astype(np.int64) * page_size + offset
         parts = _to_device([torch.from_numpy(pos), torch.from_numpy(slots), torch.from_numpy(lasts)], device)
         return cls(positions=parts[0], slot_mapping=parts[1], last_token_indices=parts[2], page_size=page_size,
                    starts=tuple(starts), query_lens=tuple(lens), table=table, rows=tuple(rows),
@@ -277,79 +287,6 @@ def _padded(tables: Sequence[Sequence[int]], fill: int) -> list[int]:
     return flat
 
 
-class _Masks:
-    """A step's decode masks: one [rows, slots] block per run of groups, each group's mask a view of its rows;
-    the biases per dtype made a block at a time. One block is as wide as its widest group, so the groups share
-    one block only when that wastes little (a long group among short ones gets its own)."""
-
-    def __init__(self, ends: torch.Tensor, reach: int, window: int | None,
-                 blocks: list[tuple[int, int, int, list[tuple[int, int, int]]]]) -> None:
-        self.ends = ends  # of every row: it sees slots [ends - window, ends) (all before its end without a window)
-        self.reach, self.window = reach, window  # the greatest end (on the host, so nothing waits for a device)
-        self.blocks = blocks  # (first row, rows, slots wide, (group, rows, slots) of each group, in row order)
-        self._biases: dict[torch.dtype, dict[int, torch.Tensor]] = {}
-
-    @cached_property
-    def masks(self) -> dict[int, torch.Tensor]:
-        """Each group's [rows, 1, 1, slots] boolean view, by group: made on first use (the layers read biases)."""
-        return self._split_all(self._mask)
-
-    def _mask(self, a: int, k: int, width: int) -> torch.Tensor:
-        slot = torch.arange(width, device=self.ends.device)
-        seen = slot < self.ends[a:a + k].unsqueeze(1)
-        if self.window is not None:
-            seen &= slot >= self.ends[a:a + k].unsqueeze(1) - self.window
-        return seen
-
-    @classmethod
-    def build(cls, ends: torch.Tensor, reach: int, groups: list[tuple[int, int]], window: int | None
-              ) -> _Masks | None:
-        """Row r sees slots [ends[r] - window, ends[r]) (without a window, all before its end), slots counted as
-        `build_all` counts them; reach: the greatest end. groups: (rows, slots) each, 0 slots for one needing no
-        mask."""
-        width = max(h for _, h in groups)
-        if not width:
-            return None
-        if sum(k for k, _ in groups) * width <= 2 * sum(k * h for k, h in groups) + (1 << 16):
-            return cls(ends, reach, window, [(0, len(ends), width, [(g, k, h) for g, (k, h) in enumerate(groups)])])
-        blocks, a = [], 0
-        for g, (k, h) in enumerate(groups):
-            if h:
-                blocks.append((a, k, h, [(g, k, h)]))
-            a += k
-        return cls(ends, reach, window, blocks)
-
-    def _bias_rows(self, dtype: torch.dtype) -> Callable[[int, int, int], torch.Tensor]:
-        """Rows [a, a + k) of a block `width` slots wide, 0 where a row sees the slot and -inf elsewhere: each row
-        is a slice of one pattern (0s then -inf; with a window, -inf, `window` 0s, -inf) starting where its end
-        puts the pattern's edge, so a block is one gather off the pattern's overlapping slices (`unfold`), made
-        in `dtype`. Arithmetic on slot numbers took 2.4x the time in float32, 7x in float16 and 7-40x with a window."""
-        reach = self.reach
-        band = reach if self.window is None or self.window >= reach else self.window  # so wide it hides no slot
-        pattern = torch.full((2 * reach + band,), _NEG_INF, dtype=dtype, device=self.ends.device)
-        pattern[reach:reach + band] = 0
-        starts = (reach + band) - self.ends  # row r's slice: slot s is 0 iff ends[r] - band <= s < ends[r]
-        return lambda a, k, width: pattern.unfold(0, width, 1).index_select(0, starts[a:a + k])
-
-    def _split_all(self, made: Callable[[int, int, int], torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Each group's [rows, 1, 1, slots] view of `made(first row, rows, width)` of its block, by group."""
-        out = {}
-        for a, k, width, groups in self.blocks:
-            for c, (g, _, h) in zip(made(a, k, width).split([n for _, n, _ in groups]), groups, strict=True):
-                out[g] = c[:, None, None, :h]
-        return out
-
-    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The group's mask as 0 / -inf in `dtype`, so SDPA does not convert it again on every layer."""
-        made = self._biases.get(dtype)
-        if made is None:
-            made = self._biases[dtype] = self._split_all(self._bias_rows(dtype))
-        return made[group]
-
-
-_NEG_INF = float("-inf")
-
-
 @dataclass(slots=True, eq=False)
 class _SingleGather:
     """Pages to gather for a group of one-token sequences, padded to one width, and which slots each sees.
@@ -364,7 +301,7 @@ class _SingleGather:
     rows: torch.Tensor | None  # [S1] flat index of each sequence's query; None: the whole batch in order
     pages: torch.Tensor  # [S1, P] page ids
     keep: slice  # gathered slots that hold keys some query sees
-    masks: _Masks | None = None  # the step's masks; this group's is masks.masks[mask_index]
+    masks: DecodeMasks | None = None  # the step's masks; this group's is masks.masks[mask_index]
     mask_index: int = -1
     _made: dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -394,18 +331,24 @@ class _SingleGather:
         rows, starts, queries = batch.singles
         n, ps = rows.shape[0], batch.page_size
         ends = starts + 1
-        lows = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
-        firsts = lows // ps
-        counts = (ends + (ps - 1)) // ps - firsts
-        base = firsts * ps
-        cols = np.stack([rows, firsts, counts, lows - base, ends - base, queries])
-        order = np.argsort(-counts, kind="stable")
-        longest = counts[order].tolist()
+        counts = (ends + (ps - 1)) // ps
+        if window is None:  # every row from its first page (the last row: each one's bias start, set below)
+            zeros = np.zeros_like(ends)
+            cols = np.stack([rows, zeros, counts, zeros, ends, queries, zeros])
+        else:
+            lows = np.maximum(ends - window, 0)
+            firsts = lows // ps
+            base = firsts * ps
+            cols = np.stack([rows, firsts, counts - firsts, lows - base, ends - base, queries, ends])
+        order = np.argsort(-cols[2], kind="stable")
+        longest = cols[2][order].tolist()
         sizes = _group_sizes(longest, call_pages)
         whole = len(sizes) == 1 and n == batch.num_seqs  # one group of the whole batch, in order: no rows
         if not whole:
             cols = cols[:, order]
         lo, hi = cols[3].tolist(), cols[4].tolist()
+        span = pattern_span(max(hi), window)
+        np.subtract(sum(span), cols[4], out=cols[6])
         spans, a = [], 0  # per group: (its first row, its rows, pages wide, slots its mask spans: 0 alone)
         for k in sizes:
             spans.append((a, k, longest[a], max(hi[a:a + k]) if k > 1 else 0))
@@ -415,15 +358,17 @@ class _SingleGather:
         if pages.size and pages.min() < 0:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
         pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[4:])], batch.positions.device)
-        masks = _Masks.build(rest[0], max(hi), [(k, h) for _, k, _, h in spans], window)
-        out = []
-        row_sets = [None] * len(spans) if whole else rest[1].split(sizes)
-        for i, ((a, k, w, h), g_pages, g_rows) in enumerate(zip(spans, pages.split([k * w for _, k, w, _ in spans]),
-                                                                row_sets, strict=True)):
+        masks = DecodeMasks.build(rest[0], rest[2], span, [(k, h) for _, k, _, h in spans], window)
+        out, at, queries = [], pages.storage_offset(), rest[1]  # each group's a view (as_strided: the cheapest)
+        step, first = queries.stride(0), queries.storage_offset()
+        for i, (a, k, w, h) in enumerate(spans):
+            g_pages = pages.as_strided((k, w), (w, 1), at)
+            g_rows = None if whole else queries.as_strided((k,), (step,), first + a * step)
+            at += k * w
             if h:
-                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(0, h), masks=masks, mask_index=i))
+                out.append(cls(rows=g_rows, pages=g_pages, keep=slice(0, h), masks=masks, mask_index=i))
             else:
-                out.append(cls(rows=g_rows, pages=g_pages.view(k, w), keep=slice(lo[a], hi[a])))
+                out.append(cls(rows=g_rows, pages=g_pages, keep=slice(lo[a], hi[a])))
         return tuple(out)
 
 
