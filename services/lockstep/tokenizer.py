@@ -258,6 +258,11 @@ class Tokenizer:
             raise ValueError(f"the chat template failed on the conversation: {type(e).__name__}: {e}") from e
 
 
+def _continues(data: bytes) -> bool:
+    """Whether these bytes begin inside a UTF-8 character (with a continuation byte)."""
+    return bool(data) and data[0] & 0xC0 == 0x80
+
+
 class IncrementalDecoder:
     """Turns a stream of token ids into text pieces whose concatenation equals `decode` of them all.
 
@@ -293,8 +298,12 @@ class IncrementalDecoder:
             self._read -= 1
             unfinished -= len(tokenizer.token_bytes(self._ids[self._read]))
         self._prefix = min(self._prefix, self._read)
+        # a window that starts a few tokens back starts inside the prompt's text, maybe inside a character (a
+        # byte-fallback decoder then makes every byte of the run U+FFFD): from the next character's first byte
         while cut and self._prefix < self._read and self._window(self._read).startswith("\ufffd"):
             self._prefix += 1  # the context may begin inside a character: from its end
+        while 0 < self._prefix < self._read and _continues(tokenizer.token_bytes(self._ids[self._prefix])):
+            self._prefix += 1
         self._prompt_end = len(self._ids)  # no generated token yet: nothing to say, however the prompt ends
 
     def _window(self, end: int) -> str:

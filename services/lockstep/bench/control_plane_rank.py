@@ -64,7 +64,7 @@ class NoopForwardEngine(Engine):
 
     Subclassing keeps the step protocol's host-side order exactly the serving engine's; only `_run`, the
     forward and sampling, is replaced by a token per sampling chunk that only the request and its index decide
-    (from its per-draw seed, `sample_seed`, where the real sampler would derive one), so every rank returns
+    (from its per-draw seed, `draw_seeds`, where the real sampler would derive one), so every rank returns
     the same id and none is EOS.
     `agreement=False` skips the group's all-reduce, to tell its cost from the rest at TP > 1.
     """
@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     wire_times = WireTimes()
     wire_times.install()
     code = run(cfg, factory)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # Linux only
     state: dict[str, Any] = {"rank": args.rank, "exit": code, "plan_s": wire_times.plan_s,
-                             "report_s": wire_times.report_s, "cpus": sorted(os.sched_getaffinity(0))}
+                             "report_s": wire_times.report_s, "cpus": cpus}
     if engines:
         cache = engines[0].cache
         try:

@@ -338,8 +338,9 @@ async def run_app(app: web.Application, host: str, port: int, shutdown_grace: fl
     `runner.cleanup()` stops listening at once, then gives the requests in flight `shutdown_grace`
     seconds to finish and cuts the rest off (aiohttp's default, 60 s, would hold a Ctrl-C up that long). With
     `reuse_port`, processes share the port (API frontends: api_workers.py). A connection idle for `keep_alive`
-    seconds, or that has sent no whole request by then, is closed: aiohttp's 75 s let a few hundred idle or
-    byte-a-second clients hold their sockets and buffers that long."""
+    seconds, or that has not sent a whole request line and headers by then, is closed (aiohttp >= 3.14.4 times a
+    new connection too): aiohttp's 75 s let a few hundred idle or byte-a-second clients hold their sockets that
+    long. A request body still arriving, a request waiting in the queue and a stream are not timed."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace, keepalive_timeout=keep_alive)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
