@@ -340,7 +340,7 @@ async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile
                       rank_cpus: tuple[int, ...] = ()) -> tuple[list[RunRaw], cProfile.Profile | None]:
     """Every run, grouped by (TP, agreement) so one set of ranks serves all its batches; with `profile`, the
     coordinator is profiled during the steady steps of the first group's largest batch. With `rank_cpus`, rank r
-    runs on core rank_cpus[r % len] alone."""
+    runs on core rank_cpus[r % len] (shared when there are more ranks than cores)."""
     groups: dict[tuple[int, bool], list[ControlPlaneConfig]] = {}
     for cfg in configs:
         groups.setdefault((cfg.tp, cfg.agreement), []).append(cfg)
