@@ -321,16 +321,15 @@ def _address(host: str, port: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    code = run(parse_args(argv))
-    if code == EXIT_GROUP_BROKEN:
-        _exit_now(code)
-    return code
+    _exit_now(run(parse_args(argv)))
+    return 0  # not reached
 
 
 def _exit_now(code: int) -> None:
-    """Exit without the interpreter's teardown: torch.distributed's C++ threads, whose peer died mid-collective,
-    abort the process when destroyed ("terminate called without an active exception", SIGABRT), so the rank's
-    exit status would say it crashed, not that its group broke (seen about one time in four at TP 2)."""
+    """Exit without the interpreter's teardown: torch.distributed's C++ threads, whose peer died mid-collective
+    or that still wait at the rendezvous, abort the process when destroyed ("terminate called without an active
+    exception", SIGABRT), so the exit status would say the rank crashed, not why it stopped (seen about one
+    time in four at TP 2 after a peer died)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
