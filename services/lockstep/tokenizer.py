@@ -302,8 +302,14 @@ class IncrementalDecoder:
         # byte-fallback decoder then makes every byte of the run U+FFFD): from the next character's first byte
         while cut and self._prefix < self._read and self._window(self._read).startswith("\ufffd"):
             self._prefix += 1  # the context may begin inside a character: from its end
-        while 0 < self._prefix < self._read and _continues(tokenizer.token_bytes(self._ids[self._prefix])):
-            self._prefix += 1
+        start = self._prefix
+        while 0 < start < self._read and _continues(tokenizer.token_bytes(self._ids[start])):
+            start += 1
+        # up to the read point, the run is either the end of a character before an unfinished one (the window then
+        # starts with that one's first byte) or stray bytes, no character at all: an empty window would lose the
+        # space a Metaspace decoder strips off the first piece, so the window keeps them
+        if start < self._read or self._read < len(self._ids):
+            self._prefix = start
         self._prompt_end = len(self._ids)  # no generated token yet: nothing to say, however the prompt ends
 
     def _window(self, end: int) -> str:
