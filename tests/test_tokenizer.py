@@ -291,6 +291,15 @@ def test_a_short_prompt_whose_window_starts_inside_a_byte_fallback_character_str
     assert "".join(pieces) == "世界" and not any("\ufffd" in p for p in pieces)
 
 
+def test_stray_bytes_at_a_prompts_end_do_not_take_the_next_pieces_space(sentencepiece: Tokenizer) -> None:
+    """Moving the window past a leading run of continuation bytes must stop at a character: moved up to the read
+    point over stray bytes (no character at all), the window was empty and " Paris" streamed as "Paris"."""
+    byte = lambda b: 3 + b  # noqa: E731 -- the fixture's <0xNN> tokens follow its three special ones
+    paris = sentencepiece.encode("Paris", add_special_tokens=False)
+    prompt = [byte(0xB1), *sentencepiece.encode("中", add_special_tokens=False), byte(0x9F), byte(0x98), byte(0x80)]
+    assert "".join(_stream(sentencepiece, paris, prompt)) == " Paris"
+
+
 def test_the_first_generated_piece_keeps_its_space_after_the_prompt(sentencepiece: Tokenizer) -> None:
     """A Metaspace decoder strips the space a text begins with: decoded alone, " Paris" is "Paris". The generated
     text is what it adds to the prompt's, as vLLM gives it, so the request's text decodes with the prompt."""
