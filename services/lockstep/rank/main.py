@@ -211,6 +211,11 @@ class _Ending:
         self.broken: list[str] = []
 
     def fatal(self, why: str) -> None:
+        if self.stop.is_set() and not self.broken:
+            # told to stop: so are its peers, and a step that some of them left unrun fails here (`lockstep
+            # serve`'s Ctrl-C under load, one time in three at TP 3): the group is going away, not broken
+            log.warning("rank %d: %s, while stopping as told", self.rank, why)
+            return
         log.error("rank %d: %s; exiting so that the group is recreated", self.rank, why)
         self.broken.append(why)
         self.stop.set()
@@ -228,6 +233,7 @@ class _Ending:
 def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = create_engine) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status."""
     import torch
+    from torch.distributed import DistNetworkError
 
     torch.set_num_threads(cfg.threads)
     ending = _Ending(cfg.rank)
@@ -263,7 +269,11 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         except (CheckpointError, UnsupportedModelError) as exc:
             log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
             return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, DistNetworkError):  # rank 0's store went while the group formed (it was killed)
+                log.error("rank %d: the group's rendezvous failed (%s); exiting so that the group is recreated",
+                          cfg.rank, exc)
+                return EXIT_GROUP_BROKEN
             log.exception("rank %d: the engine did not start", cfg.rank)
             return 1
         finally:
