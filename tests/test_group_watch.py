@@ -54,51 +54,48 @@ def test_a_rank_that_finds_no_fresh_store_in_time_says_so():
     del store
 
 
-@pytest.mark.parametrize("how", ["a peer rejoined", "rank 0 exited"])
-def test_the_watch_of_a_formed_group_hears_of_a_rejoined_peer_or_a_lost_store(how):
-    port = free_port()
+def formed_and_watched(port: int) -> tuple[dist.TCPStore, GroupWatch, list[str]]:
+    """A formed group's store and one rank's watch of it, with what the watch says."""
     store = master(port)
     mark_formed("127.0.0.1", port)
     heard: list[str] = []
-    watch = GroupWatch("127.0.0.1", port, heard.append, poll_s=0.05).start()
+    return store, GroupWatch("127.0.0.1", port, heard.append, poll_s=0.05).start(), heard
+
+
+def heard_within(watch: GroupWatch, heard: list[str], seconds: float = 10) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.02)
+    watch.stop()
+    return heard
+
+
+@pytest.mark.parametrize("how", ["a peer rejoined", "rank 0 exited"])
+def test_the_watch_of_a_formed_group_hears_of_a_rejoined_peer_or_a_lost_store(how):
+    store, watch, heard = formed_and_watched(free_port())
     time.sleep(0.3)
     assert heard == []  # a group that stands says nothing
     if how == "a peer rejoined":
         store.add(REJOINED, 1)
     else:
         del store
-    deadline = time.monotonic() + 10
-    while not heard and time.monotonic() < deadline:
-        time.sleep(0.02)
-    watch.stop()
-    assert len(heard) == 1
+    assert len(heard_within(watch, heard)) == 1
     assert ("started again on its own" if how == "a peer rejoined" else "is gone (rank 0 exited)") in heard[0]
 
 
 def test_a_store_made_anew_at_the_rendezvous_is_not_the_groups():
     """A new rank 0 (started again on its own) makes a store at the same address: it has no mark yet."""
     port = free_port()
-    store = master(port)
-    mark_formed("127.0.0.1", port)
-    heard: list[str] = []
-    watch = GroupWatch("127.0.0.1", port, heard.append, poll_s=0.05).start()
+    store, watch, heard = formed_and_watched(port)
     time.sleep(0.2)
     del store
     fresh = master(port)
-    deadline = time.monotonic() + 10
-    while not heard and time.monotonic() < deadline:
-        time.sleep(0.02)
-    watch.stop()
-    assert len(heard) == 1 and "is gone (rank 0 exited)" in heard[0]
+    assert len(heard_within(watch, heard)) == 1 and "is gone (rank 0 exited)" in heard[0]
     del fresh
 
 
 def test_a_stopped_watch_says_nothing_when_the_store_goes():
-    port = free_port()
-    store = master(port)
-    mark_formed("127.0.0.1", port)
-    heard: list[str] = []
-    watch = GroupWatch("127.0.0.1", port, heard.append, poll_s=0.05).start()
+    store, watch, heard = formed_and_watched(free_port())
     time.sleep(0.2)
     watch.stop()
     del store
