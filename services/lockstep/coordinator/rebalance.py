@@ -75,18 +75,21 @@ def off_by(current: Mapping[str, int], target: Mapping[str, int]) -> float:
     return max(max(current[p], target[p]) / max(1, min(current[p], target[p])) for p in target)
 
 
-def clamp(target: Split, reports: Sequence[Report], cost: Mapping[str, int], min_move: float) -> Split | None:
+def clamp(target: Split, reports: Sequence[Report], cost: Mapping[str, int], min_move: float,
+          budget: int | None = None) -> Split | None:
     """The move toward `target` that every rank can take now, or None when it is too small to matter.
 
-    One split goes to every rank, so it must fit the smallest budget; a pool may shrink on a rank only by
-    the pages that rank says it can give up (`movable`: the top of the pool that no live request holds).
+    One split goes to every rank, so it must fit the smallest budget (`budget` bytes, by default the smallest
+    rank's pools now); a pool may shrink on a rank only by the pages that rank says it can give up (`movable`:
+    the top of the pool that no live request holds).
     """
     pools = [{p.pool: p for p in r.pools} for r in reports]
     base = current_split(reports)
     shrink = _shrinking(target, reports)
     grow = POOL_SLIDING if shrink == POOL_FULL else POOL_FULL
     size = max(target[shrink], _lowest(reports, shrink))
-    split = {shrink: size, grow: (_budget(reports, cost) - size * cost[shrink]) // cost[grow]}
+    budget = _budget(reports, cost) if budget is None else budget
+    split = {shrink: size, grow: (budget - size * cost[shrink]) // cost[grow]}
     if any(ps[p].total - split[p] > ps[p].movable for ps in pools for p in split):
         return None  # some rank would have to give up pages a live request holds
     if base[shrink] - size < max(1, min_move * base[shrink]) or split[grow] <= base[grow]:
@@ -125,6 +128,10 @@ class Rebalancer:
         self.target: Split = {}  # the split a fence is preparing
         self.fence: Split | None = None  # the fence up on the ranks, {pool: level}
         self.fence_checks = 0
+        # the group's budget in bytes: the smallest rank's pools as the group came up. Read again from the pools
+        # after each split it would shrink by what the split's rounding left over (under one page of the pool
+        # that grew), rebalance after rebalance, for the life of the group.
+        self.budget = 0
 
     def sample(self, positions: int) -> None:
         """A request finished after holding `positions` positions."""
@@ -145,13 +152,14 @@ class Rebalancer:
         p = self.policy
         if not reports or not self.checks_at(step):
             return None
+        self.budget = max(self.budget, _budget(reports, self.cost))  # only the splits move the pools' totals
         if self.fence is not None:
             return self._after_fence(reports)
         if self.last_time is not None and now - self.last_time < p.cooldown_s:
             return None
         if len(self.uses) < max(1, p.min_samples):
             return None
-        budget = _budget(reports, self.cost)
+        budget = self.budget
         target = target_split(self.uses, budget, self.cost, self._floors(budget))
         if off_by(current_split(reports), target) <= p.threshold:
             return None
@@ -161,7 +169,7 @@ class Rebalancer:
         if _lowest(reports, shrink) > target[shrink]:
             self.target = target
             return Move(fence={shrink: target[shrink]})
-        split = clamp(target, reports, self.cost, p.min_move)
+        split = clamp(target, reports, self.cost, p.min_move, self.budget)
         if split is None or tuple(sorted(split.items())) in self.refused:
             return None
         return Move(split=split)
@@ -181,7 +189,7 @@ class Rebalancer:
         self.fence_checks += 1
         if _lowest(reports, shrink) > level and self.fence_checks < self.policy.fence_checks:
             return None
-        split = clamp(self.target, reports, self.cost, self.policy.min_move)
+        split = clamp(self.target, reports, self.cost, self.policy.min_move, self.budget)
         if split is None or tuple(sorted(split.items())) in self.refused:
             top = max(q.total for r in reports for q in r.pools if q.pool == shrink)
             return Move(fence={shrink: top}, lift=True)
