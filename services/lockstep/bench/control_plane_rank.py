@@ -38,7 +38,6 @@ from lockstep.kv.rank_cache import RankCache
 from lockstep.model.config import ModelConfig
 from lockstep.model.draw_seeds import draw_seeds, seed_bases
 from lockstep.model.kv_cache import KVCache
-from lockstep.model.sampling import is_greedy
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.rank import service
 from lockstep.rank.main import RankConfig, run
@@ -102,9 +101,10 @@ class NoopForwardEngine(Engine):
 
     def _draws(self, request_ids: Sequence[str], params: Sequence[SamplingParams], indexes: Sequence[int]
                ) -> list[int]:
-        """Tokens only (request, index) decide, from the per-draw seeds the real sampler derives (`draw_seeds`):
-        a greedy row's from its request id (the real sampler takes its argmax and derives none)."""
-        bases = seed_bases(request_ids, [None if is_greedy(p) else p.seed for p in params])
+        """Tokens only (request, index) decide, from the per-draw seeds the real sampler derives (`draw_seeds`): a
+        request without a seed (a greedy one: the coordinator gives it none, the real sampler takes its argmax)
+        from its id."""
+        bases = seed_bases(request_ids, [p.seed for p in params])
         span = self.config.vocab_size - FIRST_TOKEN
         return [FIRST_TOKEN + seed % span for seed in draw_seeds(bases, indexes)]
 
