@@ -101,3 +101,26 @@ def test_a_stopped_watch_says_nothing_when_the_store_goes():
     del store
     time.sleep(0.5)
     assert heard == []
+
+
+def test_a_store_unreached_for_a_poll_or_two_is_not_gone(monkeypatch):
+    """A connection that times out or a name that does not resolve (a busy DNS) may be the network's: the group
+    of a rank that cannot reach its store for a poll or two stands; one that cannot for several polls is gone."""
+    import socket
+
+    real = socket.create_connection
+    fail = {"left": group_watch.UNREACHED - 1}
+
+    def flaky(*args, **kwargs):
+        if fail["left"] > 0:
+            fail["left"] -= 1
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(group_watch.socket, "create_connection", flaky)
+    store, watch, heard = formed_and_watched(free_port())
+    time.sleep(0.6)
+    assert heard == [] and fail["left"] == 0  # the first polls failed, then the store answered
+    fail["left"] = 1000  # a store that went and a name that no longer resolves: gone, after a few polls
+    del store
+    assert len(heard_within(watch, heard)) == 1 and "is gone" in heard[0]

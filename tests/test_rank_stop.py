@@ -39,6 +39,15 @@ def store_gone_engine(cfg) -> PoolEngine:
     raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
 
+def broken_while_loading_engine(cfg) -> PoolEngine:
+    from lockstep.parallel import group_watch
+
+    time.sleep(0.3)  # the group formed, its watch runs, the model loads
+    group_watch._on_broken[0]("a rank of this group started again on its own and reached its store")
+    time.sleep(60)  # a large model's load goes on
+    return PoolEngine(rank=cfg.rank, pages=8)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,8 +102,31 @@ def test_a_rank_whose_rendezvous_store_went_while_the_group_formed_exits_3():
             proc.wait()
 
 
+def test_a_rank_whose_group_broke_while_it_loads_exits_3_without_finishing_the_load():
+    """The watch starts as the group forms, before the model loads: a broken group's ranks kept loading for the
+    load's whole length, then exited 0, while the rank that started again waited for their store to go."""
+    proc = _start(_free_port(), "broken_while_loading_engine")
+    try:
+        assert proc.wait(timeout=20) == EXIT_GROUP_BROKEN
+        assert "exiting so that the group is recreated" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _quietly(fn, *args) -> None:
     try:
         fn(*args)
     except grpc.RpcError:
         pass
+
+
+def test_a_rank_leaving_by_os_exit_still_writes_what_c_code_buffered():
+    """NCCL_DEBUG's lines go to C's stdout, block-buffered in a pipe (a pod's log) unless PYTHONUNBUFFERED is set:
+    exit() flushes it, os._exit does not."""
+    code = ("import ctypes; from lockstep.rank.main import _exit_now; "
+            "ctypes.CDLL(None).printf(b'NCCL WARN from C\\n'); _exit_now(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "NCCL WARN from C" in out.stdout

@@ -27,6 +27,7 @@ FORMED = "lockstep/formed"
 REJOINED = "lockstep/rejoined"
 POLL_S = 1.0
 CONNECT_S = 5.0
+UNREACHED = 3  # polls in a row that reach no store (a timeout, a name not resolved) before it counts as gone
 
 
 def _client(host: str, port: int, timeout_s: float = CONNECT_S) -> dist.TCPStore:
@@ -94,17 +95,28 @@ class GroupWatch:
     def _run(self) -> None:
         where = f"{self.host}:{self.port}"
         store: dist.TCPStore | None = None
+        unreached = 0
         while not self._stop.wait(self.poll_s):
             try:
                 store = store or self._reconnect()
-                if store.add(REJOINED, 0):
-                    why = f"a rank of this group started again on its own and reached its store at {where}"
+                rejoined = store.add(REJOINED, 0)
+            except _Replaced as exc:  # refused, or another store answers: the group's store is gone for sure
+                why = f"the group's rendezvous store at {where} is gone (rank 0 exited): {exc}"
+                break
+            except (dist.DistError, OSError) as exc:
+                # a timeout or a name that did not resolve may be the network's or DNS's (a busy cluster): a
+                # healthy group must not exit on one, so only a store unreached for several polls in a row is gone
+                store = None
+                unreached += 1
+                if unreached >= UNREACHED:
+                    why = f"the group's rendezvous store at {where} is gone ({unreached} polls reached it not): {exc}"
                     break
-            except (dist.DistError, _Replaced) as exc:
-                if store is None or isinstance(exc, _Replaced):
-                    why = f"the group's rendezvous store at {where} is gone (rank 0 exited): {exc}"
-                    break
-                store = None  # one failed call may be the network's: connect again before giving the group up
+                log.warning("the group's rendezvous store at %s did not answer (%s); trying again", where, exc)
+                continue
+            unreached = 0
+            if rejoined:
+                why = f"a rank of this group started again on its own and reached its store at {where}"
+                break
         else:
             return
         if not self._stop.is_set():
@@ -112,10 +124,11 @@ class GroupWatch:
 
     def _reconnect(self) -> dist.TCPStore:
         """The store again, if it is still this group's (a fresh one, of a new rank 0, has no mark yet). A port
-        nobody listens on is refused at once: the store's client would retry it for several seconds."""
+        nobody listens on is refused at once (the store's client would retry it for several seconds): that is
+        final; a connection that times out or a name that does not resolve may not be."""
         try:
             socket.create_connection((self.host, self.port), timeout=CONNECT_S).close()
-        except OSError as exc:
+        except ConnectionRefusedError as exc:
             raise _Replaced(f"nothing listens there: {exc}") from exc
         store = _client(self.host, self.port)
         if not store.check([FORMED]):

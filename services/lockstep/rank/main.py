@@ -9,6 +9,7 @@ finishes the step in flight, ends the coordinator's stream and exits 0.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import queue
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from lockstep.engine_config import DTYPE, EngineConfig
@@ -263,9 +264,9 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
              cfg.model)
     try:
         try:
-            engine = _start_engine(engine_factory, cfg)
+            engine = _start_engine(engine_factory, cfg, lambda: bool(ending.broken))
         except _Terminated:
-            return 0
+            return ending.code
         except (CheckpointError, UnsupportedModelError) as exc:
             log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
             return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
@@ -279,7 +280,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         finally:
             loading = False
         if stop.is_set():
-            return 0
+            return ending.code
         servicer.attach(engine)
         server.set_serving(True)
         log.info("rank %d/%d: SERVING", cfg.rank, cfg.world_size)
@@ -294,6 +295,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
 
 PARENT_PID_ENV = "LOCKSTEP_PARENT_PID"  # set by `lockstep serve`: the process whose ranks these are
 PARENT_POLL_S = 1.0
+LOADING_POLL_S = 0.5  # how soon a rank whose group broke while it loads gives the load up
 
 
 def _watch_parent(pid: int, rank: int) -> None:
@@ -306,7 +308,8 @@ def _watch_parent(pid: int, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) -> StepEngine:
+def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig,
+                  broken: Callable[[], bool] = lambda: False) -> StepEngine:
     """The engine, built on an engine thread of its own; where the rank runs several torch threads its steps run
     there too (EngineThread), with one they run on the server's handler threads.
 
@@ -314,7 +317,11 @@ def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig) 
     peer, up to its 10-minute timeout) and Python runs the SIGTERM handler only once that call returns, so a rank
     told to stop while its peers had not come kept waiting, until the kubelet's SIGKILL or `lockstep serve`'s."""
     thread = EngineThread()
-    engine = thread.call(_create, factory, cfg).result()
+    made = thread.call(_create, factory, cfg)
+    while not wait([made], timeout=LOADING_POLL_S).done:
+        if broken():  # the group's watch found it broken while the model loads: no need to wait for the load
+            raise _Terminated()
+    engine = made.result()
     return engine if cfg.threads <= 1 else _OnEngineThread(engine, thread)
 
 
@@ -343,6 +350,10 @@ def _exit_now(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    try:  # C's buffers too (NCCL_DEBUG writes to stdout, block-buffered in a pod): exit() would flush them
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 
