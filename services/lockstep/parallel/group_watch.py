@@ -35,8 +35,9 @@ def _client(host: str, port: int, timeout_s: float = CONNECT_S) -> dist.TCPStore
 
 
 def wait_for_fresh_store(host: str, port: int, rank: int, timeout_s: float) -> None:
-    """Return once the store at host:port belongs to no formed group (or is not up yet: init then waits for it).
-    A formed one is told that a member started again, so that its ranks exit and rank 0 makes a fresh store."""
+    """Return once a store answers at host:port that belongs to no formed group (until then, keep looking: rank 0
+    may not be up yet). A formed one is told that a member started again, so that its ranks exit and rank 0,
+    started again, makes a fresh store. Past `timeout_s`, TimeoutError."""
     deadline = time.monotonic() + timeout_s
     told = False
     while True:
