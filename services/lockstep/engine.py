@@ -30,7 +30,7 @@ from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
 from lockstep.kv.paging import POOL_SLIDING, pool_window
 from lockstep.kv.rank_cache import RankCache, StepRefused
-from lockstep.model.attention_batch import AttentionBatch, _on
+from lockstep.model.attention_batch import AttentionBatch, long_tensor
 from lockstep.model.config import ModelConfig
 from lockstep.model.draw_seeds import row_seeds
 from lockstep.model.kv_cache import KVCache
@@ -224,7 +224,7 @@ class Engine:
     def _inputs(self, batch: ChunkColumns) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
         """The forward's token ids and each KV pool's attention batch: the host's share of a step, read off the
         RankCache's block tables (one row per request, kept as its pages change)."""
-        ids = _on(self.device, batch.token_ids)  # through an array: torch.tensor of a list costs 3x more
+        ids = long_tensor(self.device, batch.token_ids)  # through an array: torch.tensor of a list costs 3x more
         rows = self.cache.rows(batch.request_ids)
         batches = {name: AttentionBatch.from_table(self._host_table(name), rows, batch.starts, batch.token_counts,
                                                    self.cache.page_size, self.device)

@@ -59,21 +59,21 @@ class AttentionBatch:
     @cached_property
     def query_offsets(self) -> torch.Tensor:
         """[S + 1] where each sequence's tokens start in the flat batch (for kernels; the CPU path needs none)."""
-        return _on(self.positions, [*self.token_rows, self.num_tokens])
+        return long_tensor(self.positions, [*self.token_rows, self.num_tokens])
 
     @cached_property
     def kv_lens(self) -> torch.Tensor:
         """[S] tokens each sequence attends over after this step (start + n)."""
-        return _on(self.positions, [s + n for s, n in zip(self.starts, self.query_lens, strict=True)])
+        return long_tensor(self.positions, [s + n for s, n in zip(self.starts, self.query_lens, strict=True)])
 
     @cached_property
     def block_tables(self) -> torch.Tensor:
         """[S, W] page tables padded with -1 past each sequence's pages, W the most any needs: for kernels,
         made on first use (one very long sequence makes every row as wide)."""
         needed = [pages_for(s + n, self.page_size) for s, n in zip(self.starts, self.query_lens, strict=True)]
-        host = self.table.index_select(0, _on("cpu", list(self.rows)))[:, :max(needed)]
+        host = self.table.index_select(0, long_tensor("cpu", list(self.rows)))[:, :max(needed)]
         cols = torch.arange(host.shape[1])
-        return host.masked_fill(cols >= _on("cpu", needed).unsqueeze(1), -1).to(self.positions.device)
+        return host.masked_fill(cols >= long_tensor("cpu", needed).unsqueeze(1), -1).to(self.positions.device)
 
     @cached_property
     def _multi_pages(self) -> dict[int, torch.Tensor]:
@@ -107,7 +107,7 @@ class AttentionBatch:
             raise ValueError("an attention batch needs at least one sequence")
         tables = [_span_table(i, start, n, table, page_size, first_page(start, window, page_size))
                   for i, (start, n, table) in enumerate(spans)]
-        host = _on("cpu", _padded(tables, -1)).view(len(tables), -1)
+        host = long_tensor("cpu", _padded(tables, -1)).view(len(tables), -1)
         return cls.from_table(host, range(len(spans)), [s for s, _, _ in spans], [n for _, n, _ in spans],
                               page_size, device)
 
@@ -256,7 +256,7 @@ def _span_table(i: int, start: int, n: int, table: Sequence[int], page_size: int
     return table
 
 
-def _on(where: torch.device | str | torch.Tensor, values: list[int]) -> torch.Tensor:
+def long_tensor(where: torch.device | str | torch.Tensor, values: list[int]) -> torch.Tensor:
     """A long tensor of `values` on a device (or on a tensor's), in one host-to-device copy. Through an
     array: torch.tensor of a list of ints costs 3x more, and a step's page tables hold tens of thousands."""
     device = torch.device(where.device if isinstance(where, torch.Tensor) else where)

@@ -212,19 +212,16 @@ class _Ending:
         self.broken: list[str] = []
 
     def fatal(self, why: str) -> None:
+        """The step's failure (rank/service.py) or the group's watch (group_watch.py) found the group broken."""
         if self.stop.is_set() and not self.broken:
             # told to stop: so are its peers, and a step that some of them left unrun fails here (`lockstep
-            # serve`'s Ctrl-C under load, one time in three at TP 3): the group is going away, not broken
+            # serve`'s Ctrl-C under load, one time in three at TP 3), or the watch saw rank 0 go first: the
+            # group is going away, not broken
             log.warning("rank %d: %s, while stopping as told", self.rank, why)
             return
         log.error("rank %d: %s; exiting so that the group is recreated", self.rank, why)
         self.broken.append(why)
         self.stop.set()
-
-    def group_broken(self, why: str) -> None:
-        """From the group's watch (group_watch.py): not while the rank stops anyway (its peers stop with it)."""
-        if not self.stop.is_set():
-            self.fatal(why)
 
     @property
     def code(self) -> int:
@@ -253,7 +250,7 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         threading.Thread(target=_watch_parent, args=(int(parent), cfg.rank), daemon=True,
                          name="parent-watch").start()
     servicer = RankServicer(cfg.rank, on_fatal=ending.fatal)
-    on_group_broken(ending.group_broken)
+    on_group_broken(ending.fatal)
     server = RankServer(servicer, _address(cfg.host, cfg.port), auth=cfg.auth,
                         health_address=None if cfg.health_port is None else _address(cfg.host, cfg.health_port))
     server.start()
@@ -270,11 +267,11 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         except (CheckpointError, UnsupportedModelError) as exc:
             log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
             return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
-        except Exception as exc:
-            if isinstance(exc, DistNetworkError):  # rank 0's store went while the group formed (it was killed)
-                log.error("rank %d: the group's rendezvous failed (%s); exiting so that the group is recreated",
-                          cfg.rank, exc)
-                return EXIT_GROUP_BROKEN
+        except DistNetworkError as exc:  # rank 0's store went while the group formed (it was killed)
+            log.error("rank %d: the group's rendezvous failed (%s); exiting so that the group is recreated",
+                      cfg.rank, exc)
+            return EXIT_GROUP_BROKEN
+        except Exception:
             log.exception("rank %d: the engine did not start", cfg.rank)
             return 1
         finally:
