@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from lockstep.local_ranks import EXIT_GROUP_BROKEN
 from lockstep.steps import GroupBroken, Plan
@@ -91,24 +92,18 @@ def test_a_step_that_fails_because_the_peers_were_told_to_stop_too_leaves_the_ex
             proc.wait()
 
 
-def test_a_rank_whose_rendezvous_store_went_while_the_group_formed_exits_3():
-    proc = _start(_free_port(), "store_gone_engine")
+@pytest.mark.parametrize("engine, timeout, said", [
+    # rank 0's store went while the group formed: a broken group (3), not an engine that failed to start (1)
+    ("store_gone_engine", 60, "the group's rendezvous failed"),
+    # the watch starts as the group forms, before the model loads: a broken group's ranks kept loading for the
+    # load's whole length, then exited 0, while the rank that started again waited for their store to go
+    ("broken_while_loading_engine", 20, "exiting so that the group is recreated"),
+])
+def test_a_rank_whose_group_broke_before_it_served_exits_3(engine, timeout, said):
+    proc = _start(_free_port(), engine)
     try:
-        assert proc.wait(timeout=60) == EXIT_GROUP_BROKEN
-        assert "the group's rendezvous failed" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_a_rank_whose_group_broke_while_it_loads_exits_3_without_finishing_the_load():
-    """The watch starts as the group forms, before the model loads: a broken group's ranks kept loading for the
-    load's whole length, then exited 0, while the rank that started again waited for their store to go."""
-    proc = _start(_free_port(), "broken_while_loading_engine")
-    try:
-        assert proc.wait(timeout=20) == EXIT_GROUP_BROKEN
-        assert "exiting so that the group is recreated" in proc.stderr.read()
+        assert proc.wait(timeout=timeout) == EXIT_GROUP_BROKEN
+        assert said in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
