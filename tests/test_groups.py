@@ -15,6 +15,7 @@ from lockstep import wire
 from lockstep.proto_gen.lockstep.v1 import rank_pb2, rank_pb2_grpc
 from lockstep.rank_auth import TOKEN_METADATA_KEY
 from lockstep.steps import Plan
+from lockstep.stream_metadata import STREAM_TAKEN_METADATA
 
 
 def complete(c: Cluster, tokens: list[int], n: int) -> dict:
@@ -31,6 +32,24 @@ def wait_groups_up(c: Cluster, names: set[str], timeout: float = 60.0) -> dict:
         if {n for n, g in detail.items() if g["up"]} == names or time.monotonic() > deadline:
             return detail
         time.sleep(0.3)
+
+
+def take_over(stub: rank_pb2_grpc.RankServiceStub, auth: tuple, plan: rank_pb2.PlanMsg,
+              done: threading.Event, timeout: float = 20.0) -> grpc.Future:
+    """A Step stream that sends `plan` and then stays open until `done`. The killed coordinator's stream
+    still holds the rank until its server notices the closed connection, and a stream of another
+    coordinator is refused meanwhile: open it again until the rank takes it."""
+    def plans():
+        yield plan
+        done.wait()
+
+    deadline = time.monotonic() + timeout
+    while True:
+        call = stub.Step(plans(), metadata=auth)
+        if STREAM_TAKEN_METADATA in tuple(call.initial_metadata() or ()):
+            return call
+        assert call.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, call.details()
+        time.sleep(0.1)
 
 
 def test_new_coordinator_releases_what_the_old_one_left(tiny_llama, tmp_path):
@@ -73,12 +92,8 @@ def test_a_new_coordinator_catches_up_a_rank_left_one_step_behind(tiny_llama, tm
         auth = ((TOKEN_METADATA_KEY, c.token),)
         step = stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step + 1
 
-        def plans():
-            yield wire.plan_to_proto(Plan(step=step))  # to rank 0 only, as a coordinator killed mid-write
-            sent.wait()
-
-        call = stub.Step(plans(), metadata=auth)  # kept: a dropped call is cancelled
-        deadline = time.monotonic() + 20
+        call = take_over(stub, auth, wire.plan_to_proto(Plan(step=step)), sent)  # to rank 0 only, as a
+        deadline = time.monotonic() + 20  # coordinator killed mid-write; kept: a dropped call is cancelled
         while stub.Info(rank_pb2.InfoRequest(), timeout=5, metadata=auth).last_step != step \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
