@@ -140,6 +140,8 @@ BAD_SPECS = [
     ({"agreement": {"deadRankTimeoutSeconds": 43201}}, "deadRankTimeoutSeconds"),
     ({"agreement": {"stallThresholdSeconds": 86401}}, "stallThresholdSeconds"),
     ({"agreement": {"replayTimeoutSeconds": 1e308}}, "replayTimeoutSeconds"),
+    ({"coordinator": {"watchdogTimeoutSeconds": -1}}, "watchdogTimeoutSeconds"),
+    ({"coordinator": {"watchdogTimeoutSeconds": 86401}}, "watchdogTimeoutSeconds"),
     # what the API server would refuse in the pods built from it
     ({"resources": {"requests": {"cpu": "lots"}}}, "cpu"),
     ({"resources": {"limits": {"memory": "1Gb"}}}, "memory"),
@@ -186,6 +188,7 @@ def test_defaults_match_the_command_line_contract() -> None:
     assert full["scheduler"] == {"maxNumBatchedTokens": 512, "maxNumSeqs": 64, "longPrefillTokenThreshold": 0}
     assert full["agreement"] == {"stallThresholdSeconds": 5, "deadRankTimeoutSeconds": 30, "replayTimeoutSeconds": 300}
     assert full["coordinator"]["httpPort"] == 8000 and full["coordinator"]["grpcPort"] == 8001
+    assert full["coordinator"]["watchdogTimeoutSeconds"] == 120
     assert full["rollout"] == {"drainTimeoutSeconds": 120}
 
 
@@ -195,6 +198,7 @@ def test_defaults_match_the_command_line_contract() -> None:
     ({"model": {"builtin": False}}, "exactly one"),
     ({"model": {"path": "relative/dir"}}, "absolute"),
     ({"coordinator": {"httpPort": 9000, "grpcPort": 9000}}, "must differ"),
+    ({"coordinator": {"watchdogTimeoutSeconds": 0.5}}, r"watchdogTimeoutSeconds: must be 0 \(off\) or more than 1"),
     ({"scheduler": {"maxNumBatchedTokens": 32}}, r"maxNumBatchedTokens \(32\) must be at least maxNumSeqs \(64\)"),
 ])
 def test_cross_field_rules(spec: dict, message: str) -> None:

@@ -329,7 +329,7 @@ def test_api_workers_reach_the_coordinator_as_its_own_setting() -> None:
     assert parse_config([], {**env, "LOCKSTEP_GROUPS_FILE": "", "LOCKSTEP_GROUPS": "g0=a:1"}).api_workers == 3
 
 
-def test_the_scheduler_and_keep_alive_fields_reach_the_coordinator_as_its_own_settings() -> None:
+def test_the_scheduler_keep_alive_and_watchdog_fields_reach_the_coordinator_as_its_own_settings() -> None:
     from lockstep.coordinator.config import parse_config
 
     spec = normalize({"scheduler": {"maxNumBatchedTokens": 300, "maxNumSeqs": 20, "longPrefillTokenThreshold": 128}})
@@ -339,6 +339,11 @@ def test_the_scheduler_and_keep_alive_fields_reach_the_coordinator_as_its_own_se
     assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.long_prefill_token_threshold) == (300, 20, 128)
     assert normalize({})["scheduler"]["longPrefillTokenThreshold"] == 0  # off, as vLLM's default
     assert cfg.http_keep_alive == 65  # above nginx's and an ALB's 60 s idle timeout, not the local 5 s
+    assert cfg.watchdog_timeout == 120
+    off = m.coordinator_deployment("demo", "ml", normalize({"coordinator": {"watchdogTimeoutSeconds": 0}}))
+    off_env = {k: v for k, v in env_of(off["spec"]["template"]["spec"]["containers"][0]).items()
+               if "GROUP_TOKEN" not in k}
+    assert parse_config([], {**off_env, "LOCKSTEP_GROUPS_FILE": "", "LOCKSTEP_GROUPS": "g0=a:1"}).watchdog_timeout == 0
     with pytest.raises(SpecError, match="longPrefillTokenThreshold"):
         normalize({"scheduler": {"longPrefillTokenThreshold": -1}})
 

@@ -219,6 +219,11 @@ def _runtime_schemas() -> dict[str, Schema]:
                     "How long an idle HTTP connection stays open. Keep it above the idle timeout of whatever "
                     "reuses connections in front (nginx and AWS ALB: 60 s; Google Cloud's: 600 s), or it may "
                     "send on a connection being closed and answer 502.")),
+                "watchdogTimeoutSeconds": _num(0, 86400, 120, description=(
+                    "End the coordinator, with every thread's stack in its log, when its event loop stalls this "
+                    "long, so that the kubelet starts it again: a hung coordinator still accepts TCP connections "
+                    "and answers the ranks' keepalive pings, so neither a tcpSocket probe nor the ranks would "
+                    "notice. 0: never.")),
                 "resources": _resources({"requests": {"cpu": "1", "memory": "2Gi"}},
                                         "Coordinator resources (it runs no model)."),
             },
@@ -263,6 +268,9 @@ def spec_schema() -> Schema:
     }, {
         "rule": "self.coordinator.httpPort != self.coordinator.grpcPort",
         "message": "coordinator.httpPort and coordinator.grpcPort must differ",
+    }, {
+        "rule": "self.coordinator.watchdogTimeoutSeconds == 0.0 || self.coordinator.watchdogTimeoutSeconds > 1.0",
+        "message": "coordinator.watchdogTimeoutSeconds must be 0 (off) or more than 1 (the watchdog's tick)",
     }, {
         "rule": "self.scheduler.maxNumBatchedTokens >= self.scheduler.maxNumSeqs",
         "message": "scheduler.maxNumBatchedTokens must be at least scheduler.maxNumSeqs (the coordinator refuses less)",

@@ -321,6 +321,7 @@ def coordinator_deployment(name: str, namespace: str, spec: dict[str, Any]) -> M
         "LOCKSTEP_GRPC_PORT": str(coord["grpcPort"]),
         "LOCKSTEP_API_WORKERS": str(coord["apiWorkers"]),
         "LOCKSTEP_HTTP_TIMEOUT_KEEP_ALIVE": str(coord["httpKeepAliveSeconds"]),
+        "LOCKSTEP_WATCHDOG_TIMEOUT_SECONDS": str(coord["watchdogTimeoutSeconds"]),
         "LOCKSTEP_MAX_BATCHED_TOKENS": str(spec["scheduler"]["maxNumBatchedTokens"]),
         "LOCKSTEP_MAX_NUM_SEQS": str(spec["scheduler"]["maxNumSeqs"]),
         "LOCKSTEP_LONG_PREFILL_TOKEN_THRESHOLD": str(spec["scheduler"]["longPrefillTokenThreshold"]),

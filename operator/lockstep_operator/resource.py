@@ -126,6 +126,9 @@ def normalize(spec: Mapping[str, Any] | None) -> dict[str, Any]:
     coordinator = full["coordinator"]
     if coordinator["httpPort"] == coordinator["grpcPort"]:
         raise SpecError("spec.coordinator: httpPort and grpcPort must differ")
+    if 0 < coordinator["watchdogTimeoutSeconds"] <= 1:
+        raise SpecError(f"spec.coordinator.watchdogTimeoutSeconds: must be 0 (off) or more than 1 (the watchdog's "
+                        f"tick), got {coordinator['watchdogTimeoutSeconds']}")
     scheduler = full["scheduler"]
     if scheduler["maxNumBatchedTokens"] < scheduler["maxNumSeqs"]:
         raise SpecError(f"spec.scheduler: maxNumBatchedTokens ({scheduler['maxNumBatchedTokens']}) must be at least "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.group_list import parse_group_list
+from lockstep.coordinator.loop_watchdog import TICK_S as WATCHDOG_TICK_S
 from lockstep.coordinator.rebalance import RebalancePolicy
 from lockstep.coordinator.routing import POLICIES as ROUTING_POLICIES
 from lockstep.coordinator.routing import parse_policy
@@ -60,6 +61,7 @@ class CoordinatorConfig:
     rebalance_min_samples: int = 2000
     rebalance_threshold: float = 1.25
     shutdown_grace: float = 5.0  # seconds the requests in flight get on Ctrl-C / SIGTERM
+    watchdog_timeout: float = 120.0  # seconds the event loop may stall before the process ends (0: never)
     api_workers: int = 0  # HTTP API frontend processes (api_workers.py); 0: the API runs in the coordinator's loop
     max_logprobs: int = 20  # the most logprobs/top_logprobs/prompt_logprobs a request may ask (vLLM's --max-logprobs)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys of the HTTP and gRPC APIs; none: open
@@ -75,6 +77,9 @@ class CoordinatorConfig:
         check_budget(self.max_num_batched_tokens, self.max_num_seqs)
         if type(self.api_workers) is not int or not 0 <= self.api_workers <= 64:
             raise ValueError(f"api_workers must be an integer in [0, 64], got {self.api_workers!r}")
+        if not 0 <= self.watchdog_timeout <= 86400 or 0 < self.watchdog_timeout <= WATCHDOG_TICK_S:
+            raise ValueError(f"watchdog_timeout must be 0 (off) or in ({WATCHDOG_TICK_S:g}, 86400] seconds, got "
+                             f"{self.watchdog_timeout!r}")
         if not self.stall_threshold > 0 or not self.dead_rank_timeout > 0 or not self.replay_timeout >= 0:
             raise ValueError("stall_threshold and dead_rank_timeout must be > 0 and replay_timeout >= 0")
         if self.routing not in ROUTING_POLICIES:
@@ -128,6 +133,10 @@ SCHEDULING = (
     Setting("shutdown_grace", "--shutdown-grace", "LOCKSTEP_SHUTDOWN_GRACE_SECONDS", number, 5.0,
             "on Ctrl-C / SIGTERM, how long the requests in flight may still run before the coordinator stops "
             "(a second signal stops it at once)", within(0, 3600)),
+    Setting("watchdog_timeout", "--watchdog-timeout", "LOCKSTEP_WATCHDOG_TIMEOUT_SECONDS", number, 120.0,
+            "end the coordinator, with every thread's stack on stderr, when its event loop stalls this long, so "
+            "that its supervisor starts it again instead of the ranks staying bound to a hung one (SGLang's flag); "
+            "0: never", within(0, 86400)),
     Setting("max_logprobs", "--max-logprobs", "LOCKSTEP_MAX_LOGPROBS", integer, 20,
             "the most logprobs a request may ask for (completions' logprobs and prompt_logprobs, chat's "
             "top_logprobs); more is a 400 naming the field", at_least(0)),

@@ -17,6 +17,7 @@ from lockstep.coordinator.api_workers import ApiWorkers
 from lockstep.coordinator.config import CoordinatorConfig, parse_config
 from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
+from lockstep.coordinator.loop_watchdog import LoopWatchdog
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
 from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, run_to_end
@@ -121,9 +122,14 @@ async def run(
     else:
         runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace,
                                keep_alive=config.http_keep_alive)
+    watchdog = LoopWatchdog(config.watchdog_timeout) if config.watchdog_timeout else None
+    if watchdog is not None:  # from here on the loop only serves: nothing may hold it for long
+        watchdog.start(loop)
     try:
         return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if isinstance(runner, ApiWorkers):
             runner.close_now()  # whatever stopped the run: no frontend and no link directory outlives it
 

@@ -1,0 +1,100 @@
+"""The coordinator's event-loop watchdog, in real processes: a stalled loop ends the process with its stacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lockstep.coordinator.config import CoordinatorConfig, parse_config
+from lockstep.coordinator.loop_watchdog import LoopWatchdog
+
+SCRIPT = """
+import asyncio, logging, sys, time
+from lockstep.coordinator.loop_watchdog import LoopWatchdog
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+
+def stuck_in_a_blocking_call(seconds):
+    time.sleep(seconds)
+
+async def main():
+    dog = LoopWatchdog({timeout}, tick_s=0.1, lag_warning_s=0.5)
+    dog.start(asyncio.get_running_loop())
+    await asyncio.sleep(1.5)  # a loop that turns is never ended, however long it runs
+    print("alive", flush=True)
+    stuck_in_a_blocking_call({block})
+    await asyncio.sleep(0.3)
+    {after}
+    print("survived", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def run_script(timeout: float, block: float, after: str = "pass") -> tuple[subprocess.CompletedProcess, float]:
+    code = textwrap.dedent(SCRIPT).format(timeout=timeout, block=block, after=after)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - t0
+
+
+def test_a_loop_stalled_past_the_timeout_ends_the_process_with_the_stack_that_holds_it():
+    proc, took = run_script(timeout=2.0, block=30)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "alive" in proc.stdout and "survived" not in proc.stdout
+    assert took < 20  # ended by the watchdog, not by the 30 s call returning
+    assert "Timeout (0:00:02)!" in proc.stderr
+    assert "stuck_in_a_blocking_call" in proc.stderr  # where the loop's thread was held
+
+
+def test_a_shorter_stall_is_logged_and_the_process_goes_on():
+    proc, _ = run_script(timeout=3.0, block=1.5)
+    assert proc.returncode == 0, proc.stderr
+    assert "survived" in proc.stdout
+    assert "the event loop stalled for 1." in proc.stdout
+
+
+def test_a_stopped_watchdog_ends_nothing():
+    proc, _ = run_script(timeout=1.0, block=0.0, after="dog.stop(); stuck_in_a_blocking_call(2.5)")
+    assert proc.returncode == 0, proc.stderr
+    assert "survived" in proc.stdout
+
+
+def test_the_timeout_is_a_setting_of_the_coordinator_and_zero_turns_it_off():
+    base = {"LOCKSTEP_GROUPS": "g0=a:1"}
+    assert parse_config([], base).watchdog_timeout == 120.0
+    assert parse_config(["--watchdog-timeout", "30"], base).watchdog_timeout == 30.0
+    assert parse_config([], {**base, "LOCKSTEP_WATCHDOG_TIMEOUT_SECONDS": "0"}).watchdog_timeout == 0.0
+    for bad in ("-1", "0.5", "nan"):
+        with pytest.raises(SystemExit):
+            parse_config(["--watchdog-timeout", bad], base)
+    with pytest.raises(ValueError, match="watchdog_timeout"):
+        CoordinatorConfig(groups={"g0": ("a:1",)}, watchdog_timeout=1.0)
+    with pytest.raises(ValueError, match="longer than its tick"):
+        LoopWatchdog(0.5)
+
+
+def test_a_coordinator_arms_it_once_it_serves(tiny_llama, tmp_path):
+    """The real `lockstep coordinator` (its ranks never come: it serves HTTP and gRPC while it waits for them)."""
+    from lockstep.local_group import free_port
+
+    log = tmp_path / "coordinator.log"
+    http_port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "lockstep.cli", "coordinator", "--group", f"g0=127.0.0.1:{free_port()}",
+           "--model", str(tiny_llama), "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port",
+           str(grpc_port), "--watchdog-timeout", "7"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "event-loop watchdog" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert "if its event loop stalls for 7 s" in log.read_text()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, log.read_text()
