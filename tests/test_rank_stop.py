@@ -24,7 +24,8 @@ class PeersStopEngine(PoolEngine):
 
     def step(self, plan: Plan):
         if plan.step == 1:
-            time.sleep(1.5)
+            print("step 1 runs", file=sys.stderr, flush=True)
+            time.sleep(3.0)  # the test's SIGTERM lands meanwhile
             raise GroupBroken(f"rank {self.rank}: the agreement collective of step 1 failed: rank(s) [0] exited")
         return super().step(plan)
 
@@ -81,10 +82,14 @@ def test_a_step_that_fails_because_the_peers_were_told_to_stop_too_leaves_the_ex
                 time.sleep(0.1)
         stream = StepStream(channel)
         threading.Thread(target=lambda: _quietly(stream.step, Plan(step=1)), daemon=True).start()
-        time.sleep(0.5)  # step 1 runs
+        said = []
+        for line in proc.stderr:  # until step 1 runs
+            said.append(line)
+            if line.strip() == "step 1 runs":
+                break
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert "while stopping as told" in proc.stderr.read()
+        assert "while stopping as told" in "".join(said) + proc.stderr.read()
     finally:
         channel.close()
         if proc.poll() is None:

@@ -202,6 +202,7 @@ print("ready", flush=True)
 time.sleep(1.0)  # no event loop yet: the main thread's stack only
 
 async def waits_here():
+    print("in the loop", flush=True)
     await asyncio.sleep(1.5)
 
 async def main():
@@ -222,9 +223,14 @@ def test_sigusr1_logs_where_the_process_waits_and_never_stops_it():
                             text=True)
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGUSR1)  # in time.sleep, before the loop
-    time.sleep(1.6)
+    seen = []
+    for line in proc.stdout:  # the first dump, then the loop's start
+        seen.append(line)
+        if line.strip() == "in the loop":
+            break
     proc.send_signal(signal.SIGUSR1)  # in the loop, while waits_here sleeps
-    out, _ = proc.communicate(timeout=30)
+    rest, _ = proc.communicate(timeout=30)
+    out = "".join(seen) + rest
     assert proc.returncode == 3, out
     before, _, during = out.partition("SIGUSR1: no event loop runs now")
     # in time.sleep (line 7), or just before it: the signal may land as soon as "ready" is printed (line 6)
