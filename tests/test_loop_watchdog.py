@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,7 @@ def test_a_loop_stalled_past_the_timeout_ends_the_process_with_the_stack_that_ho
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert "alive" in proc.stdout and "survived" not in proc.stdout
     assert took < 20  # ended by the watchdog, not by the 30 s call returning
-    assert "Timeout (0:00:02)!" in proc.stderr
+    assert "the event loop has not turned for 2 s" in proc.stdout
     assert "stuck_in_a_blocking_call" in proc.stderr  # where the loop's thread was held
 
 
@@ -56,6 +57,22 @@ def test_a_shorter_stall_is_logged_and_the_process_goes_on():
     assert proc.returncode == 0, proc.stderr
     assert "survived" in proc.stdout
     assert "the event loop stalled for 1." in proc.stdout
+
+
+def test_a_pause_of_the_whole_process_is_not_a_stall():
+    """Ctrl-Z on `lockstep serve` and `fg` later (SIGSTOP, SIGCONT): the watching thread was stopped too."""
+    code = textwrap.dedent(SCRIPT).format(timeout=1.5, block=0.0, after="await asyncio.sleep(1.0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("INFO:lockstep.coordinator.loop_watchdog:event-loop watchdog")
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(4.0)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "survived" in out
 
 
 def test_a_stopped_watchdog_ends_nothing():
