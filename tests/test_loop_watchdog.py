@@ -75,6 +75,40 @@ def test_a_pause_of_the_whole_process_is_not_a_stall():
     assert "survived" in out
 
 
+STUCK_IN_LOGGING = """
+import asyncio, logging, sys, time
+from lockstep.coordinator.loop_watchdog import LoopWatchdog
+
+class PipeNobodyReads(logging.StreamHandler):
+    def emit(self, record):
+        if record.getMessage() == "stuck":  # the loop's thread stalls here, holding the handler's lock
+            time.sleep(600)
+        super().emit(record)
+
+logging.basicConfig(level=logging.INFO, handlers=[PipeNobodyReads(sys.stdout)])
+
+async def main():
+    LoopWatchdog(1.5, tick_s=0.1, lag_warning_s=0.5).start(asyncio.get_running_loop())
+    await asyncio.sleep(0.5)
+    print("alive", flush=True)
+    logging.getLogger("x").info("stuck")
+
+asyncio.run(main())
+"""
+
+
+def test_a_loop_stalled_inside_a_logging_handler_still_ends_with_its_stacks():
+    """The watchdog's own CRITICAL line needs the handler's lock that the stalled loop holds (stdout a full pipe):
+    it must not wait for it for ever."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(STUCK_IN_LOGGING)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert time.monotonic() - t0 < 30
+    assert "logging blocks: ending the coordinator" in proc.stderr
+    assert "in emit" in proc.stderr  # the stack that holds the loop
+
+
 def test_a_stopped_watchdog_ends_nothing():
     proc, _ = run_script(timeout=1.0, block=0.0, after="dog.stop(); stuck_in_a_blocking_call(2.5)")
     assert proc.returncode == 0, proc.stderr

@@ -11,12 +11,14 @@ writes every thread's stack to stderr and exits with status 1, and whatever supe
 kubelet, `lockstep serve`'s caller) starts it again. A pause of the whole process (SIGSTOP, Ctrl-Z, a frozen VM)
 stops the watching thread too: it sees its own sleep overrun and gives the loop a fresh timeout, so `fg` after
 a long Ctrl-Z does not end it. A C call that holds the GIL for ever stops the watching thread as well; that
-hang is not caught here.
+hang is not caught here. What the end writes may block (a handler's lock that the stalled loop holds, a full
+pipe on stderr), so it is given END_WITHIN_S: past that the process ends without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0  # how often the loop stamps the time and the thread looks at it
 PAUSED_AFTER_S = 3.0  # the thread's own sleep overran by this many ticks: the whole process was paused
+LOG_WITHIN_S = 2.0  # how long the CRITICAL line may take before the stacks are written without it
+END_WITHIN_S = 10.0  # past this the process ends, whatever the line or the stacks still wait on
 
 
 class LoopWatchdog:
@@ -76,11 +80,20 @@ class LoopWatchdog:
                 self._end(now - self._stamp)
 
     def _end(self, stalled: float) -> None:
-        log.critical("the event loop has not turned for %.0f s (--watchdog-timeout %g): ending the coordinator so "
-                     "that it is started again; every thread's stack follows on stderr (the loop's runs "
-                     "run_forever)", stalled, self.timeout_s)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        # the loop's thread may be stalled inside a logging handler, holding its lock (a write to a pipe that
+        # nobody reads), and then log.critical here would wait as long: the line gets its own thread and
+        # LOG_WITHIN_S, and whatever still blocks after END_WITHIN_S (stderr itself) does not keep the process
+        ender = threading.Timer(END_WITHIN_S, os._exit, (1,))
+        ender.daemon = True
+        ender.start()
+        said = threading.Thread(target=self._say, args=(stalled,), daemon=True, name="loop-watchdog-log")
+        said.start()
+        said.join(LOG_WITHIN_S)
+        if said.is_alive():  # straight to the file descriptor: sys.stderr's own lock may be held as well
+            with contextlib.suppress(OSError):
+                os.write(2, f"CRITICAL the event loop has not turned for {stalled:.0f} s (--watchdog-timeout "
+                            f"{self.timeout_s:g}) and logging blocks: ending the coordinator; every thread's "
+                            f"stack follows\n".encode())
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         except (AttributeError, OSError, ValueError):  # stderr is no file: the stacks go through logging
@@ -88,3 +101,10 @@ class LoopWatchdog:
             log.critical("stacks:\n%s", "\n".join(stacks))
         sys.stderr.flush()
         os._exit(1)
+
+    def _say(self, stalled: float) -> None:
+        log.critical("the event loop has not turned for %.0f s (--watchdog-timeout %g): ending the coordinator so "
+                     "that it is started again; every thread's stack follows on stderr (the loop's runs "
+                     "run_forever)", stalled, self.timeout_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
