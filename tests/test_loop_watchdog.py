@@ -109,6 +109,25 @@ def test_a_loop_stalled_inside_a_logging_handler_still_ends_with_its_stacks():
     assert "in emit" in proc.stderr  # the stack that holds the loop
 
 
+class _Loop:
+    def call_later(self, delay, callback, *args):
+        return None
+
+
+@pytest.mark.parametrize("watcher_ran", [True, False])
+def test_a_late_tick_is_a_stall_only_if_the_watching_thread_ran_meanwhile(caplog, watcher_ran):
+    """After SIGCONT the loop's tick may run before the watching thread: a pause is then no stall to warn of."""
+    dog = LoopWatchdog(3.0)
+    now = time.monotonic()
+    dog._stamp = now - 30.0
+    dog._seen = now if watcher_ran else now - 30.0
+    with caplog.at_level("INFO", logger="lockstep.coordinator.loop_watchdog"):
+        dog._tick(_Loop())
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(warned) == watcher_ran, caplog.text
+    assert watcher_ran or "did not run for 30" in caplog.text
+
+
 def test_a_stopped_watchdog_ends_nothing():
     proc, _ = run_script(timeout=1.0, block=0.0, after="dog.stop(); stuck_in_a_blocking_call(2.5)")
     assert proc.returncode == 0, proc.stderr

@@ -45,12 +45,13 @@ class LoopWatchdog:
         self.timeout_s, self.tick_s, self.lag_warning_s = timeout_s, tick_s, lag_warning_s
         self._handle: asyncio.TimerHandle | None = None
         self._stamp = 0.0
+        self._seen = 0.0  # when the watching thread last ran
         self._stop = threading.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         log.info("event-loop watchdog: the coordinator ends, with every thread's stack on stderr, if its event "
                  "loop stalls for %g s (--watchdog-timeout)", self.timeout_s)
-        self._stamp = time.monotonic()
+        self._stamp = self._seen = time.monotonic()
         self._handle = loop.call_later(self.tick_s, self._tick, loop)
         threading.Thread(target=self._watch, daemon=True, name="loop-watchdog").start()
 
@@ -64,8 +65,12 @@ class LoopWatchdog:
         now = time.monotonic()
         stalled = now - self._stamp
         if stalled > self.tick_s + self.lag_warning_s:
-            log.warning("the event loop stalled for %.1f s (a blocking call on it?); the watchdog ends the "
-                        "coordinator at %g s", stalled, self.timeout_s)
+            if now - self._seen > PAUSED_AFTER_S * self.tick_s:  # the watching thread did not run either
+                log.info("the whole process did not run for %.1f s (paused: SIGSTOP, Ctrl-Z), which the watchdog "
+                         "does not count as a stall", stalled)
+            else:
+                log.warning("the event loop stalled for %.1f s (a blocking call on it?); the watchdog ends the "
+                            "coordinator at %g s", stalled, self.timeout_s)
         self._stamp = now
         self._handle = loop.call_later(self.tick_s, self._tick, loop)
 
@@ -75,7 +80,7 @@ class LoopWatchdog:
             now = time.monotonic()
             if now - seen > PAUSED_AFTER_S * self.tick_s:  # this thread did not run either: not the loop's doing
                 self._stamp = max(self._stamp, now)
-            seen = now
+            seen = self._seen = now
             if now - self._stamp > self.timeout_s and not self._stop.is_set():
                 self._end(now - self._stamp)
 
