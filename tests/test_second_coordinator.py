@@ -254,3 +254,67 @@ def test_why_a_group_waits_names_every_rank_and_what_grpc_said():
         loading.stop(grace=0.2)
     assert "rank 0 at" in why and "rank 0 is still loading its engine" in why
     assert "rank 1 at" in why and "UNAVAILABLE" in why
+
+
+FROZEN_CLIENT = """
+import sys, threading
+import grpc
+from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
+from lockstep.steps import Plan
+from lockstep.stream_metadata import COORDINATOR_METADATA
+from lockstep.wire import plan_to_proto
+
+done = threading.Event()
+
+def plans():
+    yield plan_to_proto(Plan(step=0))
+    done.wait()
+
+channel = grpc.insecure_channel(sys.argv[1])
+call = rank_pb2_grpc.RankServiceStub(channel).Step(plans(), metadata=((COORDINATOR_METADATA, "frozen"),))
+next(call)
+print("stepped", flush=True)
+done.wait()
+"""
+
+
+def test_a_coordinator_that_answers_nothing_any_more_is_dropped_after_the_keepalive(monkeypatch) -> None:
+    """A coordinator frozen (SIGSTOP, its node gone silent, a partition: no FIN, no RST) answers no keepalive
+    ping, so the rank ends its stream and a new coordinator takes the rank after about two KEEPALIVE_MS. With
+    only grpc's keepalive_timeout_ms set, its ping timeout (60 s by default) bounded it: the new coordinator was
+    refused for a minute."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lockstep.rank import service
+
+    monkeypatch.setattr(service, "KEEPALIVE_MS", 1000)
+    server = RankServer(RankServicer(0, CountingEngine(0, 1)), "127.0.0.1:0")
+    server.start()
+    server.set_serving(True)
+    address = f"127.0.0.1:{server.port}"
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_CLIENT, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stepped"
+        time.sleep(3.0)  # an idle group: three keepalive intervals with no plan, pings go on without data
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while True:
+            new = RawStream(address, "new")
+            try:
+                assert new.step(1).error == ""
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+                assert time.monotonic() - t0 < 15, "the frozen coordinator still holds the rank"
+                time.sleep(0.2)
+            finally:
+                new.close()
+        assert time.monotonic() - t0 < 6
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        server.stop(grace=0.2)

@@ -285,7 +285,9 @@ class RankServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                     ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS)],
+                     ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+                     # grpc >= 1.5x times an unanswered ping by this, 60 s by default, not by the keepalive timeout
+                     ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS)],
             interceptors=[TokenInterceptor(auth.token, f"rank {servicer.rank}")] if auth.token else [],
         )
         rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)
