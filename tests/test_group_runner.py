@@ -329,6 +329,47 @@ def test_an_idle_group_whose_rank_answers_no_health_check_goes_down_blaming_that
     assert down.ranks == [1] and "while the group was idle" in str(down)
 
 
+class _FreezingLink(_Link):
+    """Answers health checks until `frozen_at`, then lets each one time out after `check_s` (a stopped process)."""
+
+    def __init__(self, rank: int, frozen_at: float, check_s: float) -> None:
+        super().__init__(rank, True)
+        self.frozen_at, self.check_s = frozen_at, check_s
+
+    async def responsive(self, timeout: float = 1.0) -> bool:
+        if time.monotonic() < self.frozen_at:
+            return True
+        await asyncio.sleep(self.check_s)
+        return False
+
+
+def test_an_idle_group_whose_rank_freezes_goes_down_a_check_period_past_the_dead_rank_timeout_at_most(monkeypatch):
+    """Bug fix: the silence was counted from the end of the first check the rank failed, and the checks went on
+    every period, so a rank frozen while its group idled took it down up to two periods and two check timeouts past
+    the dead-rank timeout (30 s: 36 s after the freeze; 20 s: 30 s, half as long again). Now it counts from that
+    check's start and the rank is checked again as its timeout ends: down within the timeout, one period and one
+    check's time of the freeze, and never before the timeout."""
+    from lockstep.coordinator import group_ranks
+    from lockstep.coordinator.group_ranks import GroupDown, GroupRanks
+
+    period, timeout, check_s = 1.0, 2.5, 0.1
+    monkeypatch.setattr(group_ranks, "IDLE_CHECK_S", period)
+
+    async def main() -> float:
+        ranks = GroupRanks("g0", ["a:1", "a:2"], Metrics(), stall_threshold=5, dead_rank_timeout=timeout)
+        frozen_at = time.monotonic() + period + 0.05  # just after a check it answered: the longest way to its end
+        ranks.links = [_Link(0, True), _FreezingLink(1, frozen_at, check_s)]
+        try:
+            await asyncio.wait_for(ranks.idle(asyncio.Event()), 20)
+        except GroupDown as exc:
+            assert exc.ranks == [1]
+            return time.monotonic() - frozen_at
+        raise AssertionError("idle returned")
+
+    took = asyncio.run(main())
+    assert timeout <= took <= timeout + period + check_s + 0.3, f"down {took:.2f} s after the freeze"
+
+
 def test_an_idle_group_wakes_at_once_with_a_health_check_in_flight_and_stays_up_while_ranks_answer(monkeypatch):
     from lockstep.coordinator import group_ranks
     from lockstep.coordinator.group_ranks import GroupRanks

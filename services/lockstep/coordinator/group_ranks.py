@@ -201,13 +201,15 @@ class GroupRanks:
         woken = asyncio.ensure_future(wakeup.wait())
         got: asyncio.Future | None = None
         check: asyncio.Future | None = None
-        quiet: dict[int, float] = {}  # rank -> when it first answered no health check
+        quiet: dict[int, float] = {}  # rank -> when the first health check it did not answer began
         due = time.monotonic() + IDLE_CHECK_S
+        began = due
         try:
             while not woken.done():
                 if got is None:
                     got = asyncio.ensure_future(self.inbox.get())
                 if check is None and time.monotonic() >= due:
+                    began = time.monotonic()
                     check = asyncio.ensure_future(self._not_answering(range(len(self.links))))
                 waits = {woken, got} if check is None else {woken, got, check}
                 await asyncio.wait(waits, timeout=None if check is not None else max(0.0, due - time.monotonic()),
@@ -218,8 +220,10 @@ class GroupRanks:
                     if isinstance(item, str):
                         raise GroupDown(f"rank {rank} of group {self.name} is down: {item}", [rank])
                 if check is not None and check.done():
-                    self._still_quiet(check.result(), quiet)
-                    check, due = None, time.monotonic() + IDLE_CHECK_S
+                    self._still_quiet(check.result(), quiet, began)
+                    # a silent rank is checked again once its dead-rank timeout is up, not up to a period later
+                    due = min([time.monotonic() + IDLE_CHECK_S] + [t + self.dead_rank_timeout for t in quiet.values()])
+                    check = None
         finally:  # also when the group's task is cancelled here: no get() or check left pending
             for pending in (woken, got, check):
                 if pending is not None and not pending.done():
@@ -232,8 +236,9 @@ class GroupRanks:
         answers = await asyncio.gather(*(self.links[r].responsive() for r in ranks))
         return [r for r, alive in zip(ranks, answers, strict=True) if not alive]
 
-    def _still_quiet(self, silent: list[int], quiet: dict[int, float]) -> None:
-        """Keep when each silent rank fell silent; raise GroupDown for those silent past the dead-rank timeout."""
+    def _still_quiet(self, silent: list[int], quiet: dict[int, float], began: float) -> None:
+        """Keep when each silent rank fell silent (the start of the first check it did not answer, `began`);
+        raise GroupDown for those silent past the dead-rank timeout."""
         now = time.monotonic()
         for rank in [r for r in quiet if r not in silent]:
             log.info("group %s: rank %d answers its health checks again", self.name, rank)
@@ -241,7 +246,7 @@ class GroupRanks:
         for rank in silent:
             if rank not in quiet:
                 log.warning("group %s: rank %d answers no health check while the group is idle", self.name, rank)
-                quiet[rank] = now
+                quiet[rank] = began
         dead = [r for r, since in quiet.items() if now - since >= self.dead_rank_timeout]
         if dead:
             raise GroupDown(f"rank(s) {dead} of group {self.name} answered no health check for "
