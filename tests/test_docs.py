@@ -25,3 +25,18 @@ def test_every_environment_variable_read_is_documented() -> None:
     assert "LOCKSTEP_DEVICE" in names and "LOCKSTEP_OPERATOR_API_KEY" in names  # the scan finds what it must
     missing = sorted(n for n in names if not re.search(rf"\b{n}\b", docs))
     assert not missing, f"read by the code but named in no doc: {missing}"
+
+
+def test_the_readme_says_when_lockstep_serve_gives_a_group_up_as_the_supervisor_does() -> None:
+    """Bug fix: the README said a group was given up once it 'died 5 times within 30 s of its start'; the supervisor
+    counts deaths in a row before the group ever served, whenever they come, with growing pauses between."""
+    import inspect
+
+    from lockstep.local_ranks import LocalRanks
+
+    params = inspect.signature(LocalRanks.__init__).parameters
+    deaths, pause = params["max_quick_failures"].default, params["pause_s"].default
+    pauses = [f"{min(30.0, pause * 2 ** q):g}" for q in range(1, deaths)]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"died {deaths} times in a row before it ever served, after pauses of {', '.join(pauses[:-1])} and "
+            f"{pauses[-1]} s") in readme
