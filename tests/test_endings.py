@@ -6,6 +6,7 @@ same against a real model: tests/test_logprobs.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -217,3 +218,68 @@ def test_grpc_prompt_logprobs_range_is_the_servers_max_logprobs():
     spec, _ = grpc_spec(MODEL, ipb.GenerateRequest(text="x", prompt_logprobs=0, logprobs=3))
     assert (spec.sampling.prompt_logprobs, spec.sampling.logprobs) == (0, 3)
     assert error_of(grpc_spec, MODEL, ipb.GenerateRequest(text="x", max_tokens=0)).param == "max_tokens"
+
+
+FROZEN_CLIENT = """
+import sys, time
+import grpc
+from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
+
+stream = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(sys.argv[1])).Generate(
+    ipb.GenerateRequest(text="Hi"))
+next(stream)
+print("streaming", flush=True)
+time.sleep(600)
+"""
+
+
+class _Endless(FakeFrontend):
+    """A generation that never ends by itself; when its events are closed (the request aborted) is recorded."""
+
+    def generate(self, request_id: str, spec: GenerateSpec):
+        self.asked.append((request_id, spec))
+        return self._forever()
+
+    async def _forever(self):
+        try:
+            while True:
+                yield TokenEvent(tid(" wor"), None, 0)
+                await asyncio.sleep(0.05)
+        finally:
+            self.closed.append(time.monotonic())
+
+
+def test_a_grpc_client_that_answers_nothing_any_more_has_its_request_aborted(monkeypatch):
+    """A streaming client frozen (SIGSTOP, cut off without a FIN or an RST) answers no keepalive ping: its call is
+    cancelled and its request's events closed (the request aborted) after about two KEEPALIVE_MS. Without server
+    keepalive (grpc's default pings every two hours) the request generated on for no one."""
+    import os
+    import signal
+    import sys
+
+    from lockstep.coordinator import grpc_api
+
+    monkeypatch.setattr(grpc_api, "KEEPALIVE_MS", 1000)
+    fe = _Endless([])
+
+    async def go() -> float:
+        port = _free_port()
+        server = await start_grpc(fe, "127.0.0.1", port)
+        client = await asyncio.create_subprocess_exec(sys.executable, "-c", FROZEN_CLIENT, f"127.0.0.1:{port}",
+                                                      stdout=asyncio.subprocess.PIPE)
+        try:
+            assert (await asyncio.wait_for(client.stdout.readline(), 60)).strip() == b"streaming"
+            os.kill(client.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            while not fe.closed and time.monotonic() - frozen < 15:
+                await asyncio.sleep(0.1)
+            assert fe.closed, "the frozen client's request still generates"
+            return fe.closed[0] - frozen
+        finally:
+            os.kill(client.pid, signal.SIGCONT)
+            client.kill()
+            await client.wait()
+            await server.stop(0)
+
+    assert asyncio.run(go()) < 6
