@@ -30,6 +30,7 @@ from lockstep.coordinator.generation import (
 )
 from lockstep.coordinator.openai_fields import max_logprobs_of
 from lockstep.coordinator.prompt_encoding import encode_prompt
+from lockstep.grpc_keepalive import keepalive_options
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 from lockstep.steps import TokenLogprobs
 
@@ -252,9 +253,7 @@ async def start_grpc(frontend: Frontend, host: str, port: int, api_keys: Iterabl
     """Serve the inference service for `frontend` (the coordinator); with `api_keys`, only to their holders."""
     keys = ApiKeys(api_keys)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [],
-                             options=[("grpc.keepalive_time_ms", KEEPALIVE_MS),
-                                      ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-                                      ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS)])
+                             options=keepalive_options(KEEPALIVE_MS))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(frontend), server)
     # open like HTTP's /health: a probe and grpcurl need no key (the interceptor guards only inference calls)
     health_pb2_grpc.add_HealthServicer_to_server(InferenceHealth(frontend), server)

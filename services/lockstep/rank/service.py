@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from lockstep.grpc_keepalive import keepalive_options
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank_auth import RankServerAuth, TokenInterceptor
@@ -285,9 +286,7 @@ class RankServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                     ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-                     # grpc >= 1.5x times an unanswered ping by this, 60 s by default, not by the keepalive timeout
-                     ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS)],
+                     *keepalive_options(KEEPALIVE_MS)],
             interceptors=[TokenInterceptor(auth.token, f"rank {servicer.rank}")] if auth.token else [],
         )
         rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)
