@@ -494,14 +494,15 @@ def test_coordinator_step_log_reads_the_groups_step_log():
         g0.steps_run = 2
         coord = SimpleNamespace(groups=runners)
         log = Coordinator.step_log(coord, None, 0)
-        assert log == {"group": "g0", "steps": [[2, 0.1, 0.0, 0.3, 0.0, 0.2, 0.0], [1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0]],
-                       "next": 2}
+        assert log == {"group": "g0", "next": 2,
+                       "steps": [[2, 0.1, 0.0, 0.3, 0.0, 0.2, 0.0, 0.0], [1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0, 0.0]]}
         assert json.loads(json.dumps(log)) == log
-        assert Coordinator.step_log(coord, "g0", 1)["steps"] == [[1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0]]
+        assert Coordinator.step_log(coord, "g0", 1)["steps"] == [[1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0, 0.0]]
         assert Coordinator.step_log(coord, "g0", 5) == {"group": "g0", "steps": [], "next": 2}
         assert Coordinator.step_log(coord, "g1", 0) == {"group": "g1", "steps": [], "next": 0}
         g0.steps_run = STEP_LOG_LIMIT + 2  # the oldest steps were dropped: `since` still counts from the start
-        assert Coordinator.step_log(coord, "g0", STEP_LOG_LIMIT + 1)["steps"] == [[1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0]]
+        last = Coordinator.step_log(coord, "g0", STEP_LOG_LIMIT + 1)["steps"]
+        assert last == [[1, 0.1, 0.0, 0.2, 0.0, 0.1, 0.0, 0.0]]
         with pytest.raises(KeyError):
             Coordinator.step_log(coord, "g2", 0)
         with pytest.raises(KeyError):

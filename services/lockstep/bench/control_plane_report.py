@@ -12,13 +12,15 @@ Per step (ms, p50 and p90 over the measured steps):
 - transport: round trip minus rank apply: gRPC (with the plan's encoding and the reports' decoding,
   `wire.report_from_proto`), both processes' thread hand-offs and the event loop's wake-up (with overlap
   the ranks start a plan sent ahead before its round trip is timed, so this reads below zero there);
-- apply: `Scheduler.apply`, the pool gauges and the dispatch of every token to its request's queue;
+- apply: `Scheduler.apply` and the pool gauges;
 - ahead: with overlap, building and serializing the next plan while the ranks run this one (the plan of the
   next step then reads 0 in plan and serialize);
-- total: plan + serialize + ahead + round trip + apply, the coordinator's `lockstep_step_duration_seconds`;
+- deliver: the step before's tokens dispatched to their requests' queues, once this step's plans are sent;
+- total: plan + serialize + ahead + deliver + round trip + apply, the coordinator's
+  `lockstep_step_duration_seconds`;
 - link: with frontends (`--frontends`, as `--api-workers` runs), the step's message to the API frontend, built
-  and encoded right after the apply;
-- coordinator: plan + serialize + ahead + apply + link, the coordinator's own time;
+  and encoded right after its tokens are delivered;
+- coordinator: plan + serialize + ahead + deliver + apply + link, the coordinator's own time;
 - exposed: the part of it while no plan was in flight on the ranks: plan + serialize, and apply unless the next
   plan was sent ahead (then the ranks run it meanwhile). Overlap hides coordinator - exposed.
 """
@@ -37,7 +39,8 @@ TARGET_TOTAL_MS = 1.0  # issue 11: the control plane's step at batch 256
 TARGET_BATCH = 256
 HEADERS = {"plan": "plan", "serialize": "serialize", "round_trip": "round trip", "rank_apply": "rank apply",
            "rank_engine": "rank engine", "rank_wire": "rank wire", "transport": "transport", "apply": "apply",
-           "ahead": "ahead", "link": "link", "total": "total", "coordinator": "coordinator", "exposed": "exposed"}
+           "ahead": "ahead", "deliver": "deliver", "link": "link", "total": "total", "coordinator": "coordinator",
+           "exposed": "exposed"}
 PARTS = tuple(HEADERS)
 
 
@@ -64,9 +67,9 @@ def step_parts(raw: RunRaw) -> dict[str, list[float]]:
         rank_apply, rank_engine, rank_wire = _rank_apply(raw.reports[i], raw.rank_stats)
         values = {"plan": t.plan_s, "serialize": t.send_s, "round_trip": t.wait_s, "rank_apply": rank_apply,
                   "rank_engine": rank_engine, "rank_wire": rank_wire, "transport": t.wait_s - rank_apply,
-                  "apply": t.apply_s, "ahead": t.ahead_s, "link": raw.link_s.get(i, 0.0),
-                  "total": t.plan_s + t.send_s + t.ahead_s + t.wait_s + t.apply_s,
-                  "coordinator": t.plan_s + t.send_s + t.ahead_s + t.apply_s + raw.link_s.get(i, 0.0),
+                  "apply": t.apply_s, "ahead": t.ahead_s, "deliver": t.deliver_s, "link": raw.link_s.get(i, 0.0),
+                  "total": t.plan_s + t.send_s + t.ahead_s + t.deliver_s + t.wait_s + t.apply_s,
+                  "coordinator": t.plan_s + t.send_s + t.ahead_s + t.deliver_s + t.apply_s + raw.link_s.get(i, 0.0),
                   "exposed": t.plan_s + t.send_s + (0.0 if t.ahead_s else t.apply_s)}
         for name, value in values.items():
             parts[name].append(value)

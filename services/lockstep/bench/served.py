@@ -178,12 +178,12 @@ def run_served(model_dir: Path, workload: Workload, cfg: BenchConfig, log_dir: P
             t.join()
         result.wall_s = time.perf_counter() - t_start
         steps, _ = group.step_log(since)
-        for batch, plan_s, send_s, wait_s, apply_s, engine_s, ahead_s in steps:
+        for batch, plan_s, send_s, wait_s, apply_s, engine_s, ahead_s, deliver_s in steps:
             result.batch.append(int(batch))
-            result.step_s.append(plan_s + send_s + wait_s + apply_s + ahead_s)
+            result.step_s.append(plan_s + send_s + wait_s + apply_s + ahead_s + deliver_s)
             result.coordinator_s.append(plan_s + send_s + apply_s)  # exposed: a plan built ahead is hidden
             result.engine_s.append(engine_s)
             for name, value in (("plan", plan_s), ("send", send_s), ("wait", wait_s), ("apply", apply_s),
-                                ("ahead", ahead_s)):
+                                ("ahead", ahead_s), ("deliver", deliver_s)):
                 result.parts_s.setdefault(name, []).append(value)
     return result

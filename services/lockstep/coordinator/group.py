@@ -47,6 +47,9 @@ class StepTiming(NamedTuple):
     # building and sending the next plan while this step ran (overlap; 0: none was sent, the next plan waits for
     # these reports). Then the ranks run that plan while these reports are applied, so apply_s is hidden too.
     ahead_s: float = 0.0
+    # handing the step before's tokens to their clients, done once this step's plans are out (so while the ranks
+    # run): the agreement wait starts after it
+    deliver_s: float = 0.0
 
 
 class GroupRunner:
@@ -85,6 +88,8 @@ class GroupRunner:
         self.flush_sent: dict[int, asyncio.Future] = {}  # flushes in the plan in flight
         self.last_reports: list[Report] = []
         self.in_flight: Plan | None = None  # a plan sent whose reports were not taken in yet
+        # the last reports' events, for their clients once the next plan is out (None: handed on)
+        self.undelivered: list[Event] | None = None
         self.release_all = False
         self.capacity_tokens = 0  # tokens the smallest full pool holds: the most one request can use (0: any)
         self.page_size = 1
@@ -242,6 +247,7 @@ class GroupRunner:
                         and self.in_flight is None):
                     self.migrate_asked = False  # nothing left to move
                     self.wakeup.clear()
+                    self._deliver()
                     await self.ranks.idle(self.wakeup)
                 await self._run_step()
         except GroupDown as exc:
@@ -264,26 +270,30 @@ class GroupRunner:
             t_sent = time.perf_counter()
         self.in_flight = self._plan_ahead(plan)
         t_ahead = time.perf_counter()
+        self._deliver()  # the ranks have this plan (and the next, with overlap): clients wait, not ranks
+        t_delivered = time.perf_counter()
         reports = await self.ranks.gather(plan.step)
         t_reports = time.perf_counter()
-        self._observe(plan, reports, t_reports - t_ahead)
+        self._observe(plan, reports, t_reports - t_delivered)
         self._apply(reports)
         t_end = time.perf_counter()
         self.metrics.step_duration.labels(self.name).observe(t_end - t0)
         plan_s, send_s, ahead_s, apply_s = t_plan - t0, t_sent - t_plan, t_ahead - t_sent, t_end - t_reports
+        deliver_s = t_delivered - t_ahead
         sent_ahead = self.in_flight is not None  # then the ranks ran that plan while these reports were applied
         if not sent_ahead:  # the check that found no plan to send ahead counts as planning
             plan_s, ahead_s = plan_s + ahead_s, 0.0
-        hidden = ahead_s + apply_s if sent_ahead else 0.0
+        hidden = deliver_s + (ahead_s + apply_s if sent_ahead else 0.0)
         exposed = plan_s + send_s + (0.0 if sent_ahead else apply_s)
         self.metrics.coordinator_seconds.labels(self.name, "exposed").inc(exposed)
         self.metrics.coordinator_seconds.labels(self.name, "hidden").inc(hidden)
-        self.step_timings.append(StepTiming(len(plan.batch), plan_s, send_s, t_reports - t_ahead, apply_s,
-                                            max(r.timings.step_s for r in reports), ahead_s))
+        self.step_timings.append(StepTiming(len(plan.batch), plan_s, send_s, t_reports - t_delivered, apply_s,
+                                            max(r.timings.step_s for r in reports), ahead_s, deliver_s))
         self.steps_run += 1
         self.step += 1
         if self.migrate_asked and self.in_flight is None:  # a step boundary with nothing in flight
             self.migrate_asked = False
+            self._deliver()  # the tokens these requests made here reach their clients before they move
             self.on_down(self.name, self.scheduler.hand_over(), f"group {self.name} is draining")
 
     def _next_plan(self) -> Plan:
@@ -342,13 +352,24 @@ class GroupRunner:
         self.metrics.observe_rebalance(self.name, before, after, reason)
 
     def _apply(self, reports: list[Report]) -> None:
-        events = self.scheduler.apply(reports)
+        """Take the reports in; their events wait in `undelivered` until the next plan is sent, so that sending
+        it never waits on handing a batch of tokens to their clients (on the coordinator's critical path: a
+        rank's report -> the plan after next). Clients run only once the loop awaits, which it does next after
+        `_deliver`, so they see nothing later than before."""
+        self._deliver()
+        self.undelivered = self.scheduler.apply(reports)
         self.metrics.export_scheduler_stats(self.name, self.scheduler.stats)
-        self.on_events(self.name, events)
+
+    def _deliver(self) -> None:
+        """`on_events` once per step applied, with or without events (the benchmark counts steps by it)."""
+        events, self.undelivered = self.undelivered, None
+        if events is not None:
+            self.on_events(self.name, events)
 
     def _go_down(self, reason: str, ranks: list[int] | None = None) -> None:
         """Stop the group: the dead ranks read 0 in `lockstep_rank_up` (all of them when unknown)."""
         log.error("%s; its requests go back to the coordinator", reason)
+        self._deliver()  # what the group made before it went down reaches the clients before the requests move
         self.up = False
         self.down_reason = self.down_cause = reason
         for rank in range(len(self.ranks)) if ranks is None else ranks:
