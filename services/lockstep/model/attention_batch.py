@@ -224,15 +224,19 @@ def _group_sizes(pages: list[int], call_pages: int) -> list[int]:
     """
     distinct = [j for j in range(len(pages)) if j == 0 or pages[j] != pages[j - 1]]
     halves = {j for a, j in zip(distinct, distinct[1:], strict=False) if 2 * pages[j] < pages[a]}
-    cuts = sorted({*distinct[::-(-len(distinct) // 32)], *halves}) + [len(pages)]
-    best = [0.0] + [float("inf")] * (len(cuts) - 1)  # best[c]: rows before cuts[c] grouped
+    cuts = sorted({*distinct[::-(-len(distinct) // 32)], *halves})
+    heights = [pages[b] for b in cuts]  # a group starting at cut b is heights[b] pages wide
+    cuts.append(len(pages))
+    best = [0] * len(cuts)  # best[c]: the least cost of grouping the rows before cuts[c] (integers: exact)
     back = [0] * len(cuts)
-    for c in range(1, len(cuts)):
+    for c in range(1, len(cuts)):  # the first cut of the fewest cost wins a tie
         end = cuts[c]
-        for b in range(c):
-            cost = best[b] + (end - cuts[b]) * pages[cuts[b]] + call_pages
-            if cost < best[c]:
-                best[c], back[c] = cost, b
+        least, at = end * heights[0], 0
+        for b in range(1, c):
+            cost = best[b] + (end - cuts[b]) * heights[b]
+            if cost < least:
+                least, at = cost, b
+        best[c], back[c] = least + call_pages, at
     sizes, c = [], len(cuts) - 1
     while c > 0:
         sizes.append(cuts[c] - cuts[back[c]])
@@ -330,16 +334,19 @@ class _SingleGather:
         each sequence's first gathered page: the first its window reaches."""
         rows, starts, queries = batch.singles
         n, ps = rows.shape[0], batch.page_size
-        ends = starts + 1
-        counts = (ends + (ps - 1)) // ps
-        if window is None:  # every row from its first page (the last row: each one's bias start, set below)
-            zeros = np.zeros_like(ends)
-            cols = np.stack([rows, zeros, counts, zeros, ends, queries, zeros])
+        cols = np.empty((7, n), np.int64)  # row, first page, pages, first slot seen, end slot, query, bias start
+        cols[0], cols[5] = rows, queries  # (each computed into its row: a stack of copies cost as much again)
+        ends = np.add(starts, 1, out=cols[4])
+        counts = np.floor_divide(starts + ps, ps, out=cols[2])
+        if window is None:  # every row from its first page (the bias starts are set below)
+            cols[1] = cols[3] = 0
         else:
             lows = np.maximum(ends - window, 0)
-            firsts = lows // ps
+            firsts = np.floor_divide(lows, ps, out=cols[1])
             base = firsts * ps
-            cols = np.stack([rows, firsts, counts - firsts, lows - base, ends - base, queries, ends])
+            counts -= firsts
+            np.subtract(lows, base, out=cols[3])
+            ends -= base
         order = np.argsort(-cols[2], kind="stable")
         longest = cols[2][order].tolist()
         sizes = _group_sizes(longest, call_pages)
@@ -359,11 +366,10 @@ class _SingleGather:
             raise ValueError("a decode row's pages include -1: its block table row does not cover its positions")
         pages, rest = _to_device([torch.from_numpy(pages), torch.from_numpy(cols[4:])], batch.positions.device)
         masks = DecodeMasks.build(rest[0], rest[2], span, [(k, h) for _, k, _, h in spans], window)
-        out, at, queries = [], pages.storage_offset(), rest[1]  # each group's a view (as_strided: the cheapest)
-        step, first = queries.stride(0), queries.storage_offset()
-        for i, (a, k, w, h) in enumerate(spans):
+        out, at = [], pages.storage_offset()  # each group's a view (as_strided, split: the cheapest)
+        queries = [None] * len(sizes) if whole else rest[1].split(sizes)
+        for i, ((a, k, w, h), g_rows) in enumerate(zip(spans, queries, strict=True)):
             g_pages = pages.as_strided((k, w), (w, 1), at)
-            g_rows = None if whole else queries.as_strided((k,), (step,), first + a * step)
             at += k * w
             if h:
                 out.append(cls(rows=g_rows, pages=g_pages, keep=slice(0, h), masks=masks, mask_index=i))
@@ -376,11 +382,14 @@ def _padded_pages(table: np.ndarray, rows: np.ndarray, firsts: np.ndarray, count
                   ) -> np.ndarray:
     """For each r: pages firsts[r].. of table row rows[r] (counts[r] of them, then page 0 up to widths[r]:
     padding, masked out), laid out one after another; read straight off the table, never a row's whole width.
-    In numpy: a step's host index arithmetic is a score of small array operations, each a third of torch's."""
-    row = np.repeat(np.arange(widths.shape[0]), widths)
-    col = np.arange(row.shape[0]) - (np.cumsum(widths) - widths)[row]
-    cols = table.shape[1]
-    cells = rows[row] * cols + np.minimum(col + firsts[row], cols - 1)
-    pages = table.reshape(-1)[cells]
-    pages[col >= counts[row]] = 0
+    In numpy: a step's host index arithmetic is a score of small array operations, each a third of torch's;
+    a row's cells are its output positions plus one offset per row (two repeats, not a gather per column)."""
+    cols, ends = table.shape[1], np.cumsum(widths)
+    lead = ends - widths  # where each row's pages start in the output
+    at = np.arange(ends[-1] if ends.size else 0)
+    cells = at + np.repeat(rows * cols + firsts - lead, widths)
+    if ends.size and (firsts + widths).max() > cols:  # padding past a row's end: read in bounds, zeroed below
+        np.minimum(cells, table.size - 1, out=cells)
+    pages = table.reshape(-1).take(cells)
+    pages *= at < np.repeat(lead + counts, widths)
     return pages
