@@ -47,6 +47,9 @@ def test_a_decode_step_is_one_token_each_and_a_zero_length_chunk_is_not():
     decode = ChunkColumns.of((Chunk("a", (PENDING_TOKEN,), 4, True), Chunk("b", (7,), 9, True)))
     assert decode.one_token_each and decode.pending() == [0]
     assert decode.resolved([5]).token_ids == [5, 7] and decode.token_ids == [PENDING_TOKEN, 7]
+    overlapped = ChunkColumns.of((Chunk("a", (PENDING_TOKEN,), 4, True), Chunk("b", (PENDING_TOKEN,), 9, True)))
+    assert overlapped.resolved((5, 6)) == (Chunk("a", (5,), 4, True), Chunk("b", (6,), 9, True))
+    assert overlapped.pending() == [0, 1] and overlapped.token_ids == [PENDING_TOKEN] * 2
     odd = ChunkColumns.of((Chunk("a", (), 4), Chunk("b", (7,), 9)))
     assert not odd.one_token_each and odd[0].token_ids == () and odd[1].token_ids == (7,)
 

@@ -131,6 +131,11 @@ class ChunkColumns(Sequence[Chunk]):
 
     def pending(self) -> list[int]:
         """The chunks whose token is the one the step before sampled (overlap), in batch order."""
+        return list(self._pending)
+
+    @_Derived
+    def _pending(self) -> list[int]:
+        """`pending`, made once: a rank's step reads it twice (its tokens, then `resolved`)."""
         if self.one_token_each:
             return [i for i, t in enumerate(self.token_ids) if t == PENDING_TOKEN]
         at = self.offsets
@@ -143,6 +148,9 @@ class ChunkColumns(Sequence[Chunk]):
             raise ValueError(f"{len(drawn)} tokens for {len(pending)} pending chunks")
         if not pending:
             return self
+        if len(pending) == len(self.token_ids):  # every chunk one pending token (a decode step with overlap)
+            return ChunkColumns(self.request_ids, self.token_counts, list(drawn), self.starts, self.sample,
+                                self.sample_index, self.sampling, self.extras)
         tokens = list(self.token_ids)
         at = None if self.one_token_each else self.offsets
         for i, token in zip(pending, drawn, strict=True):

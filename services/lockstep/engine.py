@@ -167,7 +167,8 @@ class Engine:
         """The sampling rank's tokens of the last step for the plan's pending chunks (overlap), in batch order,
         and the step's error: a pending token it did not draw (the last step was refused) refuses this one."""
         batch = ChunkColumns.of(plan.batch)
-        pending = [batch.request_ids[i] for i in batch.pending()]
+        rows = batch.pending()  # all of them at a decode step with overlap
+        pending = batch.request_ids if len(rows) == len(batch) else [batch.request_ids[i] for i in rows]
         if not pending or self.comm.rank != SAMPLING_RANK:
             return [0] * len(pending), error
         tokens = [self.drawn.get(rid, -1) for rid in pending]  # a token id is never negative
