@@ -236,3 +236,46 @@ def test_sigusr1_logs_where_the_process_waits_and_never_stops_it():
     # in time.sleep (line 7), or just before it: the signal may land as soon as "ready" is printed (line 6)
     assert "SIGUSR1: the main thread is at" in before and re.search(r"line [67], in <module>", before), out
     assert "task " in during and "waits_here (<string>:" in during, out
+
+
+STUCK_THREAD_CHILD = """
+import asyncio, logging, sys, threading
+from lockstep.coordinator import main as coordinator
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+
+def blocks_for_ever():
+    print("in the executor", flush=True)
+    threading.Event().wait()
+
+async def run(config):  # the coordinator's run, stopped at once; its call in the default executor never ends
+    asyncio.get_running_loop().run_in_executor(None, blocks_for_ever)
+    await asyncio.sleep(0.2)
+    return 3
+
+coordinator.run = run
+sys.exit(coordinator.main(["--group", "g0=127.0.0.1:1"]))
+"""
+
+
+def test_a_call_in_the_executor_that_never_ends_does_not_keep_the_stopped_coordinator_up():
+    """asyncio.run's end, and the interpreter's exit after it, join every executor thread without limit: a call
+    that blocks for ever in one (a hung resolver, a file on a lost mount) kept `lockstep coordinator` up after
+    its stop, the pod in Terminating. It gets STOP_SLACK_S, then the process exits with the stop's status,
+    saying where the thread it left waits."""
+    import sys
+
+    from lockstep.coordinator.stopping import STOP_SLACK_S
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_THREAD_CHILD], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().strip() == "in the executor"
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=STOP_SLACK_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    took = time.monotonic() - t0
+    why = f"exited after {took:.1f} s with {proc.returncode}: {out}"
+    assert proc.returncode == 3, why
+    assert f"waited {STOP_SLACK_S:g} s for 1 executor thread(s)" in out and "blocks_for_ever" in out, why

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         api_keys=args.api_keys, **coordinator_settings(args),
     )
     from lockstep.coordinator.main import run
-    from lockstep.coordinator.stopping import run_to_end
+    from lockstep.coordinator.stopping import exit_status, run_to_end
 
     started = time.monotonic()
 
@@ -175,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
 
     supervisors = [ranks for ranks, _ in groups.values()]
     try:
-        return run_to_end(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
-                               on_group_up=lambda name: groups[name][0].mark_whole()))
+        code = run_to_end(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
+                              on_group_up=lambda name: groups[name][0].mark_whole()))
     except KeyboardInterrupt:
-        return 130
+        code = 130
     finally:
         for ranks in supervisors:
             ranks.stop()
+    return exit_status(code)

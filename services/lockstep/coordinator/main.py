@@ -20,7 +20,7 @@ from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.loop_watchdog import LoopWatchdog
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
-from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, run_to_end
+from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, exit_status, run_to_end
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
@@ -175,4 +175,4 @@ async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppR
 
 def main(argv: list[str] | None = None) -> int:
     dump_on_sigusr1()  # from the first moment: loading the tokenizer may be where it waits
-    return run_to_end(run(parse_config(argv)))
+    return exit_status(run_to_end(run(parse_config(argv))))

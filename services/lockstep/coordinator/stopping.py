@@ -2,18 +2,24 @@
 
 A stop that hangs is the worst way for a server to fail: the pod sits in Terminating, the client's stream
 never ends, nothing says why. So every stage of the stop gets a time (`bounded`), the event loop's own end
-too (`run_to_end`), and what overruns is logged with the chain of awaits each asyncio task sits in; the same
-log is one `kill -USR1 <pid>` away at any moment of the process's life (`dump_on_sigusr1`), also before its
-event loop runs or after it closed, when it shows the main thread's stack instead.
+and its executor's threads too (`run_to_end`, `exit_status`), and what overruns is logged with the chain of
+awaits each asyncio task sits in, or the stack of each thread; the same log is one `kill -USR1 <pid>` away at
+any moment of the process's life (`dump_on_sigusr1`), also before its event loop runs or after it closed,
+when it shows the main thread's stack instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Awaitable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -21,6 +27,7 @@ from typing import Any
 log = logging.getLogger("lockstep.coordinator")
 
 STOP_SLACK_S = 5.0  # how long a stage of the stop may take past the grace before what hangs is logged and left
+EXECUTOR_THREADS = "lockstep-executor"  # the name of run_to_end's default executor's threads, then _0, _1, ...
 
 
 def _first(obj: object, *names: str) -> Any:
@@ -76,11 +83,14 @@ async def bounded(work: Awaitable[Any], timeout: float, what: str) -> None:
 
 def run_to_end(main: Coroutine[Any, Any, int], timeout: float = STOP_SLACK_S) -> int:
     """`asyncio.run`, except that the tasks left when `main` returns get `timeout` s to end once cancelled, and
-    so do the async generators left open: asyncio.run waits for both without limit, so one that ignores its
-    cancellation would keep the process up after it was told to stop (logged, with where they wait). What
-    asyncio.run reports of them, an error a left task ended with, is logged too. Executor threads are joined
-    as asyncio.run joins them (a thread cannot be stopped; ours, a group's rank stop, ends by itself)."""
+    so do the async generators left open and, at the same time, the default executor's threads: asyncio.run
+    waits for all of them without limit, so one that ignores its cancellation, or a call that blocks for ever in
+    the executor, would keep the process up after it was told to stop (logged, with where they wait). What
+    asyncio.run reports of them, an error a left task ended with, is logged too. A thread cannot be stopped: the
+    process exits without it (`exit_status`)."""
     loop = asyncio.new_event_loop()
+    executor = ThreadPoolExecutor(thread_name_prefix=EXECUTOR_THREADS)  # named, so its threads can be found
+    loop.set_default_executor(executor)
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(main)
@@ -92,11 +102,54 @@ def run_to_end(main: Coroutine[Any, Any, int], timeout: float = STOP_SLACK_S) ->
             if left:
                 loop.run_until_complete(bounded(_log_errors(left), timeout,
                                                 f"{len(left)} task(s) left at the end to finish"))
-            loop.run_until_complete(bounded(loop.shutdown_asyncgens(), timeout, "async generators to close"))
-            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.run_until_complete(asyncio.gather(
+                bounded(loop.shutdown_asyncgens(), timeout, "async generators to close"),
+                _executor_ended(executor, timeout)))
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+
+
+def executor_threads() -> list[threading.Thread]:
+    """The threads of run_to_end's default executor still running."""
+    return [t for t in threading.enumerate() if t.name.startswith(EXECUTOR_THREADS + "_") and t.is_alive()]
+
+
+async def _executor_ended(executor: ThreadPoolExecutor, timeout: float) -> None:
+    """Let the idle threads go and wait `timeout` s for those still in a call; log where those left wait.
+    (loop.shutdown_default_executor has no timeout before Python 3.12, and its thread would wait on.)"""
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + timeout
+    while (left := executor_threads()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if left:
+        log.error("waited %g s for %d executor thread(s) to end; going on without them. Where each waits:",
+                  timeout, len(left))
+        log_threads(left)
+
+
+def log_threads(threads: list[threading.Thread]) -> None:
+    """Log each thread's stack."""
+    frames = sys._current_frames()
+    for t in threads:
+        frame = frames.get(t.ident) if t.ident is not None else None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no Python frame)\n"
+        log.warning("thread %s is at\n%s", t.name, stack.rstrip())
+
+
+def exit_status(code: int) -> int:
+    """`code`, for the caller to exit with; but with an executor thread still running, the process exits here,
+    with `code`: the interpreter's exit joins every executor thread, and one in a call that never ends would
+    keep the process up for ever (run_to_end logged where it waits)."""
+    left = executor_threads()
+    if not left:
+        return code
+    log.error("exiting with status %d without %d executor thread(s) still running: %s", code, len(left),
+              ", ".join(t.name for t in left))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 async def _log_errors(tasks: set[asyncio.Task]) -> None:
