@@ -16,13 +16,14 @@ import time
 import urllib.request
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp import web
 
 from lockstep.coordinator.openai_api import SHUTDOWN_GRACE_S, run_app
 from lockstep.coordinator.stopping import bounded, run_to_end
 from lockstep.local_group import free_port
-from test_serve import _serving, _wait_healthy
+from test_serve import _free_port_pair, _serving, _wait_healthy
 
 SLACK_S = 2.0  # what stopping may take beyond the grace on a busy machine
 
@@ -279,3 +280,42 @@ def test_a_call_in_the_executor_that_never_ends_does_not_keep_the_stopped_coordi
     why = f"exited after {took:.1f} s with {proc.returncode}: {out}"
     assert proc.returncode == 3, why
     assert f"waited {STOP_SLACK_S:g} s for 1 executor thread(s)" in out and "blocks_for_ever" in out, why
+
+
+def test_sigterm_while_the_api_frontends_start_stops_the_coordinator_within_its_grace(tiny_llama, tmp_path):
+    """`--api-workers`: the start waits up to START_TIMEOUT_S (120 s) for every frontend to link, and a SIGTERM
+    in that time waited for it too. A frontend that cannot link (stopped here, before it could) is killed, and
+    the coordinator exits with 0 within its documented worst case."""
+    import sys
+
+    port = _free_port_pair()
+    log_path = tmp_path / "coordinator.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lockstep.cli", "coordinator", "--group", f"g0=127.0.0.1:{free_port()}",
+             "--model", str(tiny_llama), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port",
+             str(port + 1), "--api-workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (frontends := [c for c in psutil.Process(proc.pid).children()
+                                 if "lockstep.coordinator.remote" in c.cmdline()]):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        frontends[0].suspend()  # before it imported what it links with: it never links
+        assert " linked" not in log_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            proc.wait(timeout=SHUTDOWN_GRACE_S + 60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # where it waits, in its log
+            time.sleep(1.0)
+        took = time.monotonic() - t0
+        why = f"exited after {took:.1f} s with {proc.returncode}; log: {log_path.read_text()[-3000:]}"
+        assert proc.returncode == 0, why
+        assert took < SHUTDOWN_GRACE_S + 20, why  # the worst case of docs/runbook.md
+        assert not frontends[0].is_running(), why
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

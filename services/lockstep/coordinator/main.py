@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
@@ -25,6 +25,7 @@ from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
 GROUPS_POLL_S = 2.0
+T = TypeVar("T")
 log = logging.getLogger("lockstep.coordinator")
 
 
@@ -117,7 +118,13 @@ async def run(
     grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
     if config.api_workers:
         model_dir = resolve_model(config.model, progress)
-        runner: web.AppRunner | ApiWorkers = await ApiWorkers.start(coord, config, model_dir)
+        workers = await _unless_stopped(ApiWorkers.start(coord, config, model_dir), stop)
+        if workers is None:  # the stop came while they started: they are killed, the rest stops as after serving
+            if supervise is not None:
+                supervise.close()  # never started
+            await _stop_servers(coord, grace, grpc_server.stop(grace))
+            return 0
+        runner: web.AppRunner | ApiWorkers = workers
         progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
     else:
         runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace,
@@ -161,16 +168,40 @@ async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppR
         regroup.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await regroup
-    # both servers stop taking requests now; the groups keep stepping for the streams in their grace, and the
+    await _stop_servers(coord, grace, grpc_server.stop(grace), runner.cleanup())
+    return code
+
+
+async def _stop_servers(coord: Coordinator, grace: float, *stops: Awaitable[Any]) -> None:
+    """Stop the servers (`stops`) and then the groups, each within its bound (docs/runbook.md)."""
+    # the servers stop taking requests now; the groups keep stepping for the streams in their grace, and the
     # streams still open after it end with an error event: aiohttp cuts a handler only after twice its
     # shutdown timeout, and a streaming one was seen to run to its end (test_shutdown)
-    stopping = asyncio.ensure_future(asyncio.gather(grpc_server.stop(grace), runner.cleanup()))
+    stopping = asyncio.ensure_future(asyncio.gather(*stops))
     if not (await asyncio.wait({stopping}, timeout=grace))[0]:
         coord.end_streams(f"the server is shutting down: requests in flight had {grace:g} s to finish")
     # past this, whatever still waits is a bug: it is logged with every task's stack, and the stop goes on
     await bounded(stopping, max(grace, STOP_SLACK_S), "the HTTP and gRPC servers to stop")
     await bounded(coord.close(), STOP_SLACK_S, "the groups to close")
-    return code
+
+
+async def _unless_stopped(start: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """What `start` returns; or None once `stop` is set first, `start` cancelled (and given STOP_SLACK_S to clean
+    up after itself): the API frontends have START_TIMEOUT_S to link, which must not hold up a SIGTERM."""
+    task = asyncio.ensure_future(start)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await bounded(asyncio.wait({task}), STOP_SLACK_S, "the start to end once cancelled")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
