@@ -73,6 +73,36 @@ def test_a_stopped_rank_process_is_continued_so_it_acts_on_its_sigterm_at_once()
     assert time.monotonic() - t0 < 2.0 and proc.returncode == 3
 
 
+def test_every_groups_ranks_are_stopped_at_once_so_a_stop_takes_one_grace_whatever_the_dp(tmp_path):
+    """`lockstep serve --dp N` stopped its groups one after another, each with its own grace: ranks that did not act
+    on their SIGTERM held its exit for N graces (two groups: 20.2 s), where the runbook says SIGKILL after 10 s."""
+    from lockstep.local_ranks import LocalRanks, stop_groups
+
+    def commands(group: int) -> list[list[str]]:
+        ignores = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "open(sys.argv[1], 'w').close(); time.sleep(60)")
+        return [[sys.executable, "-c", ignores, str(tmp_path / f"g{group}r{r}")] for r in range(2)]
+
+    groups = [LocalRanks(lambda rendezvous, g=g: commands(g), os.environ, name=f"g{g}") for g in range(3)]
+    try:
+        for g in groups:
+            g.start()
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < 6:  # each ignores SIGTERM from now on
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        stop_groups(groups, grace_s=2.0)
+        took = time.monotonic() - t0
+    finally:
+        for g in groups:
+            for proc in g.procs:
+                proc.kill()
+                proc.wait()
+    assert 2.0 <= took < 4.0, took  # one grace; one after another it is three
+    assert all(proc.returncode == -signal.SIGKILL for g in groups for proc in g.procs)
+
+
 def _free_port_pair() -> int:
     """A free port whose next one is free too: `lockstep serve --port P` serves gRPC on P + 1 (a CI run failed
     to bind it when only P had been checked)."""

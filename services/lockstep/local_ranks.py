@@ -114,6 +114,12 @@ class LocalRanks:
         stop_processes(self.procs)
 
 
+def stop_groups(groups: list[LocalRanks], grace_s: float = 10.0) -> None:
+    """Every group's ranks at once, within one `grace_s`: one group after another, ranks that do not act on their
+    SIGTERM held the stop for a grace per group."""
+    stop_processes([p for g in groups for p in g.procs], grace_s)
+
+
 async def supervise_all(groups: list[LocalRanks], progress: Callable[[str], None]) -> None:
     """Supervise every local group on its own; returns only when all of them gave up, because the
     coordinator routes around a down group and the others can go on serving."""

@@ -20,7 +20,7 @@ from lockstep.coordinator.auth import parse_api_keys
 from lockstep.coordinator.config import API_KEY_HELP, FRONTENDS, REBALANCE, SCHEDULING, CoordinatorConfig
 from lockstep.engine_config import DTYPE
 from lockstep.local_group import free_port
-from lockstep.local_ranks import LocalRanks, rank_command, supervise_all
+from lockstep.local_ranks import LocalRanks, rank_command, stop_groups, supervise_all
 from lockstep.model.checkpoint_files import check_checkpoint
 from lockstep.model.config import ModelConfig
 from lockstep.parallel.sharding import check_tp_size, valid_tp_sizes
@@ -180,6 +180,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
-        for ranks in supervisors:
-            ranks.stop()
+        stop_groups(supervisors)
     return exit_status(code)
