@@ -270,6 +270,8 @@ class GroupRunner:
             t_sent = time.perf_counter()
         self.in_flight = self._plan_ahead(plan)
         t_ahead = time.perf_counter()
+        if self.undelivered:  # the links' writers put the plans on the wire first (they run at an await)
+            await asyncio.sleep(0)
         self._deliver()  # the ranks have this plan (and the next, with overlap): clients wait, not ranks
         t_delivered = time.perf_counter()
         reports = await self.ranks.gather(plan.step)
@@ -352,10 +354,10 @@ class GroupRunner:
         self.metrics.observe_rebalance(self.name, before, after, reason)
 
     def _apply(self, reports: list[Report]) -> None:
-        """Take the reports in; their events wait in `undelivered` until the next plan is sent, so that sending
-        it never waits on handing a batch of tokens to their clients (on the coordinator's critical path: a
-        rank's report -> the plan after next). Clients run only once the loop awaits, which it does next after
-        `_deliver`, so they see nothing later than before."""
+        """Take the reports in; their events wait in `undelivered` until the next plan is written to the ranks'
+        streams, so that it never waits on handing a batch of tokens to their clients (on the coordinator's
+        critical path: a rank's report -> the plan after next). Clients run only once the loop awaits, which it
+        does next after `_deliver`, so they get their tokens no later."""
         self._deliver()
         self.undelivered = self.scheduler.apply(reports)
         self.metrics.export_scheduler_stats(self.name, self.scheduler.stats)
