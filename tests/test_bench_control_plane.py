@@ -50,11 +50,14 @@ def test_a_short_run_goes_through_the_real_scheduler_grpc_and_rank_service(tmp_p
         assert row["ms"][part]["p50"] > 0, part
     if overlap:
         assert row["ms"]["plan"]["p90"] == row["ms"]["exposed"]["p90"] == 0
-    else:  # all of the coordinator's time is exposed but the tokens' delivery, done once the next plan is out
+    parts = step_parts(raw)
+    assert all(gap > 0 for gap in parts["rank_gap"])  # each rank sent a report, then read the next plan
+    if not overlap:  # all of the coordinator's time is exposed but the tokens' delivery, done once the next plan is out
         assert row["ms"]["ahead"]["p90"] == 0
-        parts = step_parts(raw)
         assert parts["coordinator"] == pytest.approx([e + d + k for e, d, k in zip(
             parts["exposed"], parts["deliver"], parts["link"], strict=True)])
+        # a plan built from the reports of the step before cannot reach a rank before it was built and queued
+        assert all(gap >= p + q for gap, p, q in zip(parts["rank_gap"], parts["plan"], parts["serialize"], strict=True))
     assert row["ms"]["rank_engine"]["p50"] <= row["ms"]["rank_apply"]["p50"]
     if not overlap:  # with overlap the ranks start a plan sent ahead before its round trip is timed (transport < 0)
         assert row["ms"]["rank_apply"]["p50"] <= row["ms"]["round_trip"]["p50"]

@@ -119,7 +119,9 @@ class NoopForwardEngine(Engine):
 
 
 class WireTimes:
-    """The rank service's plan deserialization and report serialization, timed per step in this process only.
+    """The rank service's plan deserialization and report serialization, timed per step in this process only,
+    and when each began and ended (`plan_at`, `report_done`: the rank's time between its steps is the report's
+    send and the wait for the next plan).
 
     The rank service records the engine's time and its own (`Timings`), not the protobuf conversions around
     them; wrapping the two names it calls, here, measures them without touching the serving code."""
@@ -127,17 +129,24 @@ class WireTimes:
     def __init__(self) -> None:
         self.plan_s: dict[int, float] = {}
         self.report_s: dict[int, float] = {}
+        self.plan_at: dict[int, float] = {}  # perf_counter at which the step's plan began to be read
+        self.report_done: dict[int, float] = {}  # ... and at which its report was serialized
 
     def install(self) -> None:
-        service.plan_from_proto = self._timed(service.plan_from_proto, self.plan_s)
-        service.report_to_proto = self._timed(service.report_to_proto, self.report_s, by_argument=True)
+        service.plan_from_proto = self._timed(service.plan_from_proto, self.plan_s, self.plan_at, at_start=True)
+        service.report_to_proto = self._timed(service.report_to_proto, self.report_s, self.report_done,
+                                              by_argument=True)
 
     @staticmethod
-    def _timed(fn: Callable[[Any], Any], into: dict[int, float], by_argument: bool = False) -> Callable[[Any], Any]:
+    def _timed(fn: Callable[[Any], Any], into: dict[int, float], at: dict[int, float], by_argument: bool = False,
+               at_start: bool = False) -> Callable[[Any], Any]:
         def timed(obj: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(obj)
-            into[(obj if by_argument else out).step] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            step = (obj if by_argument else out).step
+            into[step] = t1 - t0
+            at[step] = t0 if at_start else t1
             return out
 
         return timed
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     code = run(cfg, factory)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # Linux only
     state: dict[str, Any] = {"rank": args.rank, "exit": code, "plan_s": wire_times.plan_s,
-                             "report_s": wire_times.report_s, "cpus": cpus}
+                             "report_s": wire_times.report_s, "plan_at": wire_times.plan_at,
+                             "report_done": wire_times.report_done, "cpus": cpus}
     if engines:
         cache = engines[0].cache
         try:
