@@ -632,3 +632,59 @@ def test_the_last_steps_tokens_reach_their_clients_before_the_group_waits_idle_o
         await runner.close()
 
     asyncio.run(main())
+
+
+class _LastFinishes(_StepsOnly):
+    """Step 1 finishes the group's last request; the plan after it only releases its pages, so from then on the
+    group holds nothing (`holds_nothing`) while step 1's finish may still wait to be handed on."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.releases = False
+
+    def plan(self, step: int, reports: list[Report], flush: bool = False, now: float = 0.0) -> Plan:
+        self.releases = False
+        return Plan(step=step)
+
+    def plan_ahead(self, step: int) -> Plan | None:
+        return None
+
+    def apply(self, reports: list[Report]) -> list[Event]:
+        self.applied += 1
+        self.releases = self.applied == 1
+        return [Event("last", EventKind.FINISHED)] if self.applied == 1 else []
+
+    def has_work(self) -> bool:
+        return self.applied < 1 or self.releases
+
+
+def test_a_group_removed_while_its_last_plan_is_written_still_hands_on_its_last_events():
+    """Bug fix: a step's events wait for the loop turn after the next plan is sent, and a group closed in that
+    turn (`Coordinator._remove_group`: its drain returns at once, since the release plan left the group holding
+    nothing, and `close` cancels the loop at its `sleep(0)`) dropped them: the request's client never heard of
+    its end, its stream hung and its record stayed (requests_in_flight)."""
+
+    async def main() -> None:
+        runner, log = _logging_runner(1)
+        runner.scheduler = _LastFinishes()
+        runner.task = asyncio.ensure_future(runner._loop())
+        send = runner.ranks.send
+
+        async def remove() -> None:  # what Coordinator._remove_group does
+            await runner.drain(migrate=True)
+            await runner.close()
+
+        def send_then_remove(plan: Plan, flushed: set[int]) -> None:
+            send(plan, flushed)
+            if plan.step == 2:  # the group list changes in the loop turn that writes the release plan
+                asyncio.ensure_future(remove())
+
+        runner.ranks.send = send_then_remove
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if runner.task.done():
+                break
+        assert runner.task.cancelled()
+        assert "events None" in log  # the finish reached its client (the fake's on_events logs its token_id)
+
+    asyncio.run(main())

@@ -252,7 +252,8 @@ class GroupRunner:
                 await self._run_step()
         except GroupDown as exc:
             self._go_down(str(exc), exc.ranks)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # closed, maybe in the loop turn before a step's events were handed on
+            self._deliver()  # (at the sleep(0)): their clients must still get them, or their streams hang
             raise
         except Exception as exc:  # a bug here must fail requests loudly, not leave them waiting
             log.exception("group %s step loop failed", self.name)
