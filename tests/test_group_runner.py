@@ -688,3 +688,28 @@ def test_a_group_removed_while_its_last_plan_is_written_still_hands_on_its_last_
         assert "events None" in log  # the finish reached its client (the fake's on_events logs its token_id)
 
     asyncio.run(main())
+
+
+def test_deliver_s_is_the_hand_over_of_the_tokens_not_the_loop_turn_before_it():
+    """Bug fix: deliver_s (/admin/steps, the bench's deliver column, `part="hidden"`) timed the loop turn given to
+    the links' writers too: their writes of the plans, and whatever else ran in that turn (another group's step,
+    HTTP handlers), none of it the handing of tokens to clients. That turn is spent waiting for the ranks, as
+    before the turn was added: it counts in wait_s."""
+
+    async def main() -> None:
+        runner, log = _logging_runner(4)
+
+        async def slow_write() -> None:  # a write that takes 30 ms of the loop (a big plan, a busy loop)
+            while True:
+                log.append(f"write {await runner.ranks.outbox.get()}")
+                time.sleep(0.03)
+
+        runner.ranks.writer.cancel()
+        runner.ranks.writer = asyncio.ensure_future(slow_write())
+        for _ in range(3):
+            await runner._run_step()
+        delivered = runner.step_timings[-1]
+        assert delivered.deliver_s < 0.01 and delivered.wait_s >= 0.03
+        await runner.close()
+
+    asyncio.run(main())

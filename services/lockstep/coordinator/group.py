@@ -48,7 +48,7 @@ class StepTiming(NamedTuple):
     # these reports). Then the ranks run that plan while these reports are applied, so apply_s is hidden too.
     ahead_s: float = 0.0
     # handing the step before's tokens to their clients, done once this step's plans are out (so while the ranks
-    # run): the agreement wait starts after it
+    # run): the agreement wait is the rest of the time to the reports (the loop turn the writers get before it too)
     deliver_s: float = 0.0
 
 
@@ -273,16 +273,18 @@ class GroupRunner:
         t_ahead = time.perf_counter()
         if self.undelivered:  # the links' writers put the plans on the wire first (they run at an await)
             await asyncio.sleep(0)
+        t_woke = time.perf_counter()  # that turn (the writers, whatever else ran) waits for the ranks: in wait_s
         self._deliver()  # the ranks have this plan (and the next, with overlap): clients wait, not ranks
         t_delivered = time.perf_counter()
         reports = await self.ranks.gather(plan.step)
         t_reports = time.perf_counter()
-        self._observe(plan, reports, t_reports - t_delivered)
+        deliver_s = t_delivered - t_woke
+        wait_s = t_reports - t_ahead - deliver_s
+        self._observe(plan, reports, wait_s)
         self._apply(reports)
         t_end = time.perf_counter()
         self.metrics.step_duration.labels(self.name).observe(t_end - t0)
         plan_s, send_s, ahead_s, apply_s = t_plan - t0, t_sent - t_plan, t_ahead - t_sent, t_end - t_reports
-        deliver_s = t_delivered - t_ahead
         sent_ahead = self.in_flight is not None  # then the ranks ran that plan while these reports were applied
         if not sent_ahead:  # the check that found no plan to send ahead counts as planning
             plan_s, ahead_s = plan_s + ahead_s, 0.0
@@ -290,7 +292,7 @@ class GroupRunner:
         exposed = plan_s + send_s + (0.0 if sent_ahead else apply_s)
         self.metrics.coordinator_seconds.labels(self.name, "exposed").inc(exposed)
         self.metrics.coordinator_seconds.labels(self.name, "hidden").inc(hidden)
-        self.step_timings.append(StepTiming(len(plan.batch), plan_s, send_s, t_reports - t_delivered, apply_s,
+        self.step_timings.append(StepTiming(len(plan.batch), plan_s, send_s, wait_s, apply_s,
                                             max(r.timings.step_s for r in reports), ahead_s, deliver_s))
         self.steps_run += 1
         self.step += 1
