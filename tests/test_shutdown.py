@@ -319,3 +319,24 @@ def test_sigterm_while_the_api_frontends_start_stops_the_coordinator_within_its_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_coordinator_whose_start_fails_exits_though_a_call_in_the_executor_never_ends():
+    """Bug fix: only a run that returned a status left the executor's threads behind; one that raised (a failed
+    start: a frontend that exits before it links, a port in use; or a second Ctrl-C) went on into the
+    interpreter's exit, which joins every executor thread: the process never exited. It exits with status 1
+    once the thread had STOP_SLACK_S, the error printed."""
+    import sys
+
+    from lockstep.coordinator.stopping import STOP_SLACK_S
+
+    child = STUCK_THREAD_CHILD.replace("    return 3\n", "    raise RuntimeError('the start failed')\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout.readline().strip() == "in the executor"
+    try:
+        out, _ = proc.communicate(timeout=STOP_SLACK_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert proc.returncode == 1 and "RuntimeError: the start failed" in out, f"{proc.returncode}: {out}"

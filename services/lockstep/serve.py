@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         api_keys=args.api_keys, **coordinator_settings(args),
     )
     from lockstep.coordinator.main import run
-    from lockstep.coordinator.stopping import exit_status, run_to_end
+    from lockstep.coordinator.stopping import errors_exit, exit_status, run_to_end
 
     started = time.monotonic()
 
@@ -174,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(gRPC on {args.host}:{args.port + 1})", flush=True)
 
     supervisors = [ranks for ranks, _ in groups.values()]
-    try:
-        code = run_to_end(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
-                              on_group_up=lambda name: groups[name][0].mark_whole()))
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        stop_groups(supervisors)
+    with errors_exit():  # after the ranks' stop: an error must not wait on an executor thread for ever either
+        try:
+            code = run_to_end(run(config, on_ready=ready, supervise=supervise_all(supervisors, say), progress=say,
+                                  on_group_up=lambda name: groups[name][0].mark_whole()))
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            stop_groups(supervisors)
     return exit_status(code)

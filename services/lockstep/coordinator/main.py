@@ -20,7 +20,7 @@ from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.loop_watchdog import LoopWatchdog
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
-from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, exit_status, run_to_end
+from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, errors_exit, exit_status, run_to_end
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
@@ -206,4 +206,7 @@ async def _unless_stopped(start: Coroutine[Any, Any, T], stop: asyncio.Event) ->
 
 def main(argv: list[str] | None = None) -> int:
     dump_on_sigusr1()  # from the first moment: loading the tokenizer may be where it waits
-    return exit_status(run_to_end(run(parse_config(argv))))
+    config = parse_config(argv)
+    with errors_exit():  # a failed start or a second Ctrl-C must not wait on an executor thread for ever either
+        code = run_to_end(run(config))
+    return exit_status(code)

@@ -11,6 +11,7 @@ when it shows the main thread's stack instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
@@ -150,6 +151,20 @@ def exit_status(code: int) -> int:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def errors_exit() -> Iterator[None]:
+    """An error (or a second Ctrl-C) out of the block, with an executor thread still running, is printed and the
+    process exits here (status 1; 130 for Ctrl-C), as `exit_status` does: raised on, the interpreter's exit would
+    join that thread for ever. Without one left, the error is raised as it is."""
+    try:
+        yield
+    except BaseException as exc:
+        if not executor_threads() or isinstance(exc, SystemExit):
+            raise
+        traceback.print_exception(exc)
+        exit_status(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 async def _log_errors(tasks: set[asyncio.Task]) -> None:
