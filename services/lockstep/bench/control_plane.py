@@ -201,8 +201,9 @@ class _Encoding(asyncio.Queue):
 async def _linked_clients(coordinator: Coordinator, specs: dict[str, GenerateSpec], recorder: StepRecorder,
                           link_s: dict[int, float]) -> list[tuple[int, str]]:
     """The requests submitted through one frontend link, as `--api-workers` does: each step's tokens become one
-    message, built and encoded on the coordinator's loop (timed, per step, into `link_s`), and are counted from
-    its columns here, where a frontend process would read them; (tokens, finish reason) per request."""
+    message, built and encoded on the coordinator's loop (timed, per step, into `link_s`), taken off the link as
+    the frontend's stream takes it, and read (its columns counted per request) once the run is over: a frontend
+    process reads them, not the coordinator's loop; (tokens, finish reason) per request."""
     link = Link(coordinator, "bench")
     link.out = _Encoding()
     flush = link._flush
@@ -215,13 +216,16 @@ async def _linked_clients(coordinator: Coordinator, specs: dict[str, GenerateSpe
     link._flush = timed_flush  # type: ignore[method-assign]
     for rid, spec in specs.items():
         link.submit(rid, spec)
-    tokens, reasons = dict.fromkeys(specs, 0), dict.fromkeys(specs, "")
+    taken = []
     while link.requests or not link.out.empty():
         item = await link.out.get()
         if item is None:
             raise RuntimeError(f"the link was closed: {link.wedged}")
         link.taken(item[1])
-        for rid, ev in events_from_proto(item[0]):  # as the frontend reads them
+        taken.append(item[0])
+    tokens, reasons = dict.fromkeys(specs, 0), dict.fromkeys(specs, "")
+    for msg in taken:
+        for rid, ev in events_from_proto(msg):  # as the frontend reads them
             if ev.error:
                 raise RuntimeError(f"a request failed: {ev.error}")
             tokens[rid] += ev.token_id is not None
