@@ -69,6 +69,22 @@ def _check_sampling(sampling: SamplingParams) -> None:
     _check_penalties(sampling)
 
 
+_SHARED: dict[SamplingParams, SamplingParams] = {}
+_SHARED_MAX = 1 << 14  # distinct values held at once; a full table starts over
+
+
+def shared_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The one object of `sampling`'s value that requests hold: a plan's batch repeats every request's parameters,
+    and its translation (wire.py) looks each up by value, which for equal but distinct objects costs a dataclass
+    `__eq__` a chunk (at batch 256 of greedy requests, about 60 us a step); for one object, an identity check."""
+    found = _SHARED.get(sampling)
+    if found is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        found = _SHARED[sampling] = sampling
+    return found
+
+
 def _check_penalties(sampling: SamplingParams) -> None:
     if not (math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0):
         raise ValueError(f"repetition_penalty must be a finite number > 0, got {sampling.repetition_penalty!r}")
@@ -102,12 +118,14 @@ class Request:
         self.prompt_token_ids = prompt
         # a greedy request draws nothing, so it gets no seed: its parameters stay the ones every greedy request of
         # its kind shares, and a plan's table holds them once (a seed each made 256 entries of a step at batch 256)
-        seed = default_seed() if sampling.seed is None and sampling.temperature > 0 else sampling.seed
+        drawn = sampling.seed is None and sampling.temperature > 0
+        seed = default_seed() if drawn else sampling.seed
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(_token_ids("stop_token_ids", stop_token_ids))
         # the ranks hold the stop ids off while min_tokens are not generated (and only then need them)
         held = tuple(sorted(self.stop_token_ids)) if sampling.min_tokens > 0 else ()
-        self.sampling = replace(sampling, seed=seed, stop_token_ids=held)
+        sampling = replace(sampling, seed=seed, stop_token_ids=held)
+        self.sampling = sampling if drawn else shared_sampling(sampling)  # a drawn seed is this request's alone
         # the preemption count at which the ranks got this request's token history (penalties); -1: never
         self._history_at = -1
         self.generated: list[int] = []
