@@ -121,7 +121,7 @@ class ChunkColumns(Sequence[Chunk]):
     @_Derived
     def distinct_sampling(self) -> list[SamplingParams]:
         """The batch's parameters, each object once (a decode step repeats every request's)."""
-        return list({id(s): s for s in self.sampling}.values())
+        return list(dict(zip(map(id, self.sampling), self.sampling, strict=True)).values())
 
     def tokens(self, i: int) -> tuple[int, ...]:
         if self.one_token_each:

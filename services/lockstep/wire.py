@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from lockstep.chunk_checks import chunk_error, columns_pass, sampling_error
 from lockstep.chunk_columns import ChunkColumns
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.steps import (
-    PENDING_TOKEN,
     Admit,
     Chunk,
     Plan,
@@ -54,83 +54,18 @@ def _request_id(request_id: str, where: str) -> str:
 
 def _check_batch(batch: Sequence[Chunk], where: str) -> None:
     """Every chunk, with each distinct sampling checked once (a decode step repeats every request's) and the
-    message, which names the chunk, formatted only for one that fails. Columns that pass `_columns_pass` are
+    message, which names the chunk, formatted only for one that fails. Columns that pass `columns_pass` are
     not read a chunk at a time."""
-    if isinstance(batch, ChunkColumns) and _columns_pass(batch):
+    if isinstance(batch, ChunkColumns) and columns_pass(batch):
         return
     distinct = {id(c.sampling): c.sampling for c in batch}
-    sampling_errors = {key: _sampling_error(sampling) for key, sampling in distinct.items()}
+    sampling_errors = {key: sampling_error(sampling) for key, sampling in distinct.items()}
     for i, c in enumerate(batch):
-        why = _chunk_error(c) or sampling_errors[id(c.sampling)]
+        why = chunk_error(c) or sampling_errors[id(c.sampling)]
         if why:
             at = f"{where} batch[{i}]"
             _request_id(c.request_id, at)
             raise WireError(f"{at} ({c.request_id!r}): {why}")
-
-
-def _columns_pass(b: ChunkColumns) -> bool:
-    """Whether every chunk passes `_chunk_error` and its sampling `_sampling_error`, column by column (a plan of 256
-    decodes is a few `min`s); False sends the batch to the per-chunk check, which names what fails."""
-    if not b.request_ids:
-        return True
-    if not all(type(r) is str and r for r in b.request_ids) or min(b.token_counts) < 1 or min(b.starts) < 0:
-        return False
-    if min(b.sample_index) < 0 or any(_sampling_error(s) for s in b.distinct_sampling) or not _extras_pass(b):
-        return False
-    if min(b.token_ids) >= 0:
-        return True
-    return b.one_token_each and all(t == PENDING_TOKEN and b.sample[i] for i, t in enumerate(b.token_ids) if t < 0)
-
-
-def _extras_pass(b: ChunkColumns) -> bool:
-    """`_columns_pass` for the fields only a few chunks carry."""
-    for i, (prompt_logprobs, next_token_id, history) in b.extras.items():
-        if prompt_logprobs < -1 or next_token_id < -1:
-            return False
-        if history is not None and (len(history) != b.starts[i] or b.token_ids[b.offsets[i]] == PENDING_TOKEN
-                                    or (history and min(history) < 0)):
-            return False
-    return True
-
-
-def _chunk_error(c: Chunk) -> str:
-    """Why the chunk cannot be one, its sampling aside; "" when it can."""
-    if type(c.request_id) is not str or not c.request_id:
-        return "request_id must be a non-empty string"
-    if not c.token_ids:
-        return "a chunk needs at least one token"
-    if c.start < 0:
-        return f"start must be >= 0, got {c.start}"
-    if c.sample_index < 0:
-        return f"sample_index must be >= 0, got {c.sample_index}"
-    if c.prompt_logprobs < -1:
-        return f"chunk prompt_logprobs must be -1 (off) or >= 0, got {c.prompt_logprobs}"
-    if c.next_token_id < -1:
-        return f"next_token_id must be -1 (off) or >= 0, got {c.next_token_id}"
-    return _tokens_error(c)
-
-
-def _tokens_error(c: Chunk) -> str:
-    """Why the chunk's tokens and history cannot be; "" when they can."""
-    tokens, history = c.token_ids, c.history
-    if history is not None and len(history) != c.start:
-        return f"a history holds the {c.start} tokens before the chunk, got {len(history)}"
-    if tokens == (PENDING_TOKEN,):
-        if not c.sample or history is not None:
-            return "a pending token is a decode that samples, without history"
-    elif min(tokens) < 0:
-        return f"token ids must be >= 0, got {next(t for t in tokens if t < 0)}"
-    if history and min(history) < 0:
-        return f"token ids must be >= 0, got {next(t for t in history if t < 0)}"
-    return ""
-
-
-def _sampling_error(s: SamplingParams) -> str:
-    if s.logprobs < -1:
-        return f"logprobs must be -1 (off) or >= 0, got {s.logprobs}"
-    if s.prompt_logprobs < -1:
-        return f"prompt_logprobs must be -1 (off) or >= 0, got {s.prompt_logprobs}"
-    return f"min_tokens must be >= 0, got {s.min_tokens}" if s.min_tokens < 0 else ""
 
 
 def _check_plan(plan: Plan) -> None:
@@ -204,7 +139,8 @@ def _batch_to_proto(msg: pb.PlanMsg, cols: ChunkColumns) -> None:
     b.sample.extend(cols.sample)
     b.sample_index.extend(cols.sample_index)
     b.sampling.extend(refs)
-    msg.samplings.extend([sampling_bytes(s) for s in table])
+    blobs = list(map(_SAMPLING_SENT.get, table))
+    msg.samplings.extend(blobs if None not in blobs else [sampling_bytes(s) for s in table])
 
 
 _SAMPLING_SENT: dict[SamplingParams, bytes] = {}
