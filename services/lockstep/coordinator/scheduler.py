@@ -34,7 +34,7 @@ from lockstep.coordinator.events import Event, EventKind
 from lockstep.coordinator.lookahead import chunks_ahead
 from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
-from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports
+from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports, sampled_by_request
 from lockstep.steps import Admit, Plan, Report
 
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
@@ -403,7 +403,7 @@ class Scheduler(Admitting):
         for report in reports:
             for answer in report.probes:
                 self._book.record(report.step, report.rank, answer)
-        sampled = {s.request_id: s for report in reversed(reports) for s in report.sampled}  # the first rank's
+        sampled = sampled_by_request(reports)
         scores = {p.request_id: p for report in reversed(reports) for p in report.prompt_logprobs}
         requests, running, b = self.requests, RequestStatus.RUNNING, ChunkColumns.of(plan.batch)
         extras = b.extras
@@ -423,8 +423,8 @@ class Scheduler(Admitting):
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
-            events.append(Event(rid, TOKEN, token_id=got.token_id, logprobs=got.logprobs,
-                                prompt_logprobs=req.prompt_logprobs_to_send()))
+            events.append(Event(rid, TOKEN, got.token_id, None, "", True, got.logprobs,
+                                req.prompt_logprobs_to_send() if req.sampling.prompt_logprobs >= 0 else None))
             if reason is not None:
                 events.append(self._finish(req, reason))
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from operator import attrgetter
 
-from lockstep.steps import PoolState, Report
+from lockstep.steps import PoolState, Report, Sampled
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 def in_rank_order(reports: Sequence[Report], ranks: int) -> list[Report]:
@@ -68,3 +71,12 @@ def plan_reports(step: int, reports: Sequence[Report], last_step: int | None, ra
     if ordered[0].step >= step:
         raise ValueError(f"plan {step} cannot be built from reports of step {ordered[0].step}")
     return ordered
+
+
+def sampled_by_request(reports: Sequence[Report]) -> dict[str, Sampled]:
+    """Each request's sampled token, the first rank's where several sampled it. One report (tp 1, or the one rank
+    that samples): a dict of its tuple in C, not a comprehension over the step's 256 tokens."""
+    if len(reports) == 1:
+        got = reports[0].sampled
+        return dict(zip(map(_REQUEST_ID, got), got, strict=True))
+    return {s.request_id: s for report in reversed(reports) for s in report.sampled}
