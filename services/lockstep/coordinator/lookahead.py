@@ -37,7 +37,7 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
     in_page = control.grow_in_page
     for req in running:
         rid = req.request_id
-        start, pending = flying.get(rid, (req.num_computed, False))
+        start, pending = flying.get(rid) or (req.num_computed, False)
         generated = len(req.generated)
         if pending:
             if generated + 1 >= req.max_tokens:

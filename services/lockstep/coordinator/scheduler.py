@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from lockstep.chunk_columns import ChunkColumns
 from lockstep.coordinator.admission import AdmissionControl
@@ -37,6 +38,7 @@ from lockstep.coordinator.request import FinishReason, Request, RequestStatus
 from lockstep.coordinator.step_reports import LastPools, in_rank_order, plan_reports, sampled_by_request
 from lockstep.steps import Admit, Plan, Report
 
+_PROMPT_LOGPROBS = attrgetter("sampling.prompt_logprobs")
 TOKEN, FINISHED, PREEMPTED = EventKind.TOKEN, EventKind.FINISHED, EventKind.PREEMPTED  # as callers import them
 
 
@@ -254,7 +256,7 @@ class Scheduler(Admitting):
         last = self._last_plan
         if (len(self._flight) != 1 or last.step + 1 != step or not last.batch or last.step == self._after_refusal
                 or not self._reports or self.rebalancer is not None and self.rebalancer.checks_at(step)
-                or any(r.scoring_prompt for r in self.running)):
+                or self._scoring_prompt()):
             return None
         seats = self.waiting and len(self.running) < self.max_num_seqs
         if seats and self._answers_coming(last):
@@ -271,6 +273,12 @@ class Scheduler(Admitting):
         releases, self._releases = tuple(dict.fromkeys(self._releases)), []
         plan = Plan(step, releases=releases, admits=tuple(admits), batch=batch, probes=tuple(probes))
         return self._sent(plan, control.spent())
+
+    def _scoring_prompt(self) -> bool:
+        """Whether a running request still scores its prompt: only one that asked for prompt logprobs may, and one
+        C-level pass over the requests' parameters finds none most steps."""
+        asked = max(map(_PROMPT_LOGPROBS, self.running), default=-1) >= 0
+        return asked and any(r.scoring_prompt for r in self.running)
 
     def _sent(self, plan: Plan, spent: dict[str, list[int]]) -> Plan:
         self._last_plan, self._spent = plan, spent
