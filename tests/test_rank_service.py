@@ -404,14 +404,14 @@ def test_rank_process_health_then_sigterm_exits_cleanly():
 @pytest.mark.parametrize("threads, named", [(2, "built-on-main=False steps-on-builder=True"),
                                              (1, "built-on-main=False steps-on-builder=False")])
 def test_rank_process_builds_its_engine_and_runs_every_step_on_one_thread_not_the_main_one(threads, named):
-    """With torch threads, one engine thread does it all; with one (no OpenMP team) the steps stay on the
-    server's handler threads, where they cost no hop."""
+    """With torch threads, one engine thread does it all; with one (no OpenMP team) the steps stay on
+    each Step stream's step thread, where they cost no hop."""
     port = _free_port()
     proc = _start_rank(port, load_seconds=0, factory="thread_naming_engine", threads=threads)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         _wait_for_health(channel, health_pb2.HealthCheckResponse.SERVING, time.monotonic() + 60)
-        for step in range(4):  # a new stream each time: another of the server's handler threads
+        for step in range(4):  # a new stream each time: another step thread
             StepStream(channel).step(Plan(step=step))
         info = info_from_proto(rank_pb2_grpc.RankServiceStub(channel).Info(pb.InfoRequest(), timeout=5))
         assert info.model_id == named

@@ -162,7 +162,7 @@ class EngineThread:
     """One thread of its own for every torch call of the rank: it builds the engine and carries out every step.
 
     torch's CPU kernels run on an OpenMP team per calling thread. With the engine built on the main thread and
-    its steps run on the gRPC server's handler threads, two teams of spinning threads share the cores, and a
+    its steps run on the rank service's threads, two teams of spinning threads share the cores, and a
     decode step at batch 32 took 1.9x as long as in one thread (lockstep bench, TP 1: 397 against 205 ms).
     A daemon thread, so a rank told to stop while it loads or sits in a collective still exits. Its steps run
     here only for ranks of more than one torch thread: with one there is no team, and the hop to this thread and
@@ -308,7 +308,7 @@ def _watch_parent(pid: int, rank: int) -> None:
 def _start_engine(factory: Callable[[RankConfig], StepEngine], cfg: RankConfig,
                   broken: Callable[[], bool] = lambda: False) -> StepEngine:
     """The engine, built on an engine thread of its own; where the rank runs several torch threads its steps run
-    there too (EngineThread), with one they run on the server's handler threads.
+    there too (EngineThread), with one they run on each Step stream's step thread (rank/service.py).
 
     Never built on the main thread: the group's rendezvous blocks in torch's C++ (the TCP store waits for every
     peer, up to its 10-minute timeout) and Python runs the SIGTERM handler only once that call returns, so a rank

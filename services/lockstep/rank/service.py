@@ -5,6 +5,9 @@ protocol's delivery rules live:
 
 - one plan at a time, in step order: plan k+1 is carried out only after plan k, and a plan that
   skips a step or goes back is refused (its report says which step was expected) instead of run;
+  a stream's plans run on a thread of their own, so plan k+1 starts while report k is still being sent
+  (grpc's sync server sends each report before it asks the handler for the next), and none starts once
+  the stream broke;
 - every plan gets exactly one report, even a refused one, so the coordinator's agreement wait
   always ends;
 - a plan delivered twice (a coordinator that resends after a reconnect) is answered again from
@@ -71,12 +74,16 @@ class _Superseded(Exception):
 
 
 class _Stream:
-    """One Step stream: the plans its reader thread has received, and why it must end, if it must."""
+    """One Step stream: the plans its reader thread has received, the reports its step thread made (`outbox`,
+    in plan order, then one of the markers below), and why it must end, if it must."""
 
     _EOF = object()
+    _ABORT = object()  # the stream must end with `end`: the handler aborts (grpc takes an abort only from there)
+    _DONE = object()  # the coordinator's side ended and every plan it sent is answered
 
     def __init__(self, coordinator: str = "", peer: str = "") -> None:
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.end: tuple[grpc.StatusCode, str] | None = None
         self.coordinator, self.peer = coordinator, peer
         self.since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -88,6 +95,11 @@ class _Stream:
     def stop(self, code: grpc.StatusCode, details: str) -> None:
         self.end = (code, details)
         self.inbox.put(self._EOF)
+
+    def drop(self, why: str) -> None:
+        """The RPC is over (or its handler is): stop, unless already told why to."""
+        if self.end is None:
+            self.stop(grpc.StatusCode.CANCELLED, why)
 
     def read(self, requests: Iterator[pb.PlanMsg]) -> None:
         try:
@@ -237,28 +249,53 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     def _serve(self, stream: _Stream, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
                ) -> Iterator[pb.ReportMsg]:
+        """Yield the step thread's reports. grpc sends a yielded report before it asks for the next one, so the
+        steps run on a thread of their own (`_work`) and step k+1 starts while report k is being sent."""
+        context.add_callback(lambda: stream.drop("the Step stream ended"))
         threading.Thread(
             target=stream.read, args=(request_iterator,), daemon=True, name="plan-reader"
         ).start()
-        while True:
-            msg = stream.inbox.get()
-            if stream.end is not None:
-                context.abort(*stream.end)
-            if msg is _Stream._EOF:
-                return
-            try:
-                plan = plan_from_proto(msg)
-            except WireError as e:
-                yield report_to_proto(self._refuse(msg, f"bad plan: {e}"))
-                continue
-            with self._execute_lock:
-                if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
+        threading.Thread(target=self._work, args=(stream,), daemon=True, name="step-runner").start()
+        try:
+            while True:
+                item = stream.outbox.get()
+                if item is _Stream._ABORT:
                     context.abort(*stream.end)
-                try:
-                    report = self._execute(plan, stream)
-                except _Superseded:
-                    context.abort(*stream.end)
-            yield report_to_proto(report)
+                if item is _Stream._DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # a report that could not be sent (the stream broke): no further plan of this stream starts
+            stream.drop("the Step stream's handler ended")
+
+    def _work(self, stream: _Stream) -> None:
+        """The stream's plans, carried out one after the other; their reports, then a marker, go to the outbox."""
+        try:
+            while True:
+                msg = stream.inbox.get()
+                if stream.end is not None:
+                    stream.outbox.put(_Stream._ABORT)
+                    return
+                if msg is _Stream._EOF:
+                    stream.outbox.put(_Stream._DONE)
+                    return
+                stream.outbox.put(report_to_proto(self._carry_out(stream, msg)))
+        except _Superseded:
+            stream.outbox.put(_Stream._ABORT)
+        except BaseException as e:  # the handler raises it, as if it had run the step itself
+            stream.outbox.put(e)
+
+    def _carry_out(self, stream: _Stream, msg: pb.PlanMsg) -> Report:
+        """One plan of `stream`: refused if it does not parse; `_Superseded` once a newer stream owns the rank."""
+        try:
+            plan = plan_from_proto(msg)
+        except WireError as e:
+            return self._refuse(msg, f"bad plan: {e}")
+        with self._execute_lock:
+            if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
+                raise _Superseded()
+            return self._execute(plan, stream)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.RankInfo:
         if self._engine is None:

@@ -1,0 +1,194 @@
+"""The rank's Step handler runs its plans on a thread of their own: step k+1 starts while report k is sent.
+
+grpc's sync server sends a yielded report and waits for the send before it asks the handler for the next one;
+these tests drive the handler as grpc does, through a stand-in context, and hold a report "in its send" by not
+asking for the next one, which real gRPC cannot be made to do on demand.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
+from lockstep.rank import service
+from lockstep.rank.service import RankServicer
+from lockstep.steps import Plan, RankInfo, Report
+from lockstep.wire import plan_to_proto, report_from_proto
+
+
+class Aborted(Exception):
+    """What grpc's context.abort raises in the handler."""
+
+
+class FakeContext:
+    """The parts of grpc.ServicerContext the Step handler uses; `end()` is grpc ending the RPC."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def send_initial_metadata(self, metadata: tuple) -> None:
+        pass
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise Aborted(details)
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+class GatedEngine:
+    """Records each step as it starts; a step waits for `gate` (cleared: the step is in its forward)."""
+
+    def __init__(self) -> None:
+        self.started: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.executed: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def info(self) -> RankInfo:
+        return RankInfo(0, 1, "gated", 4, (), 64, 101)
+
+    def step(self, plan: Plan) -> Report:
+        self.started.put(plan.step)
+        assert self.gate.wait(10)
+        self.executed.append(plan.step)
+        return Report(plan.step, 0)
+
+
+class Plans:
+    """The coordinator's side of the stream: plans in, None to half-close."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[pb.PlanMsg]:
+        return iter(self._q.get, None)
+
+    def send(self, *steps: int) -> None:
+        for step in steps:
+            self._q.put(plan_to_proto(Plan(step=step)))
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+@pytest.fixture
+def handler():
+    engine = GatedEngine()
+    servicer = RankServicer(0, engine)
+    plans, context = Plans(), FakeContext()
+    reports = servicer.Step(iter(plans), context)
+    yield engine, servicer, plans, context, reports
+    context.end()
+    servicer.close()
+
+
+def _started(engine: GatedEngine, timeout: float = 10) -> int:
+    return engine.started.get(timeout=timeout)
+
+
+def _none_started(engine: GatedEngine, wait: float = 0.3) -> bool:
+    time.sleep(wait)
+    return engine.started.empty()
+
+
+def test_the_next_step_starts_while_a_report_is_still_being_sent(handler):
+    engine, servicer, plans, context, reports = handler
+    plans.send(0, 1)
+    assert report_from_proto(next(reports)).step == 0  # grpc now sends report 0 and asks for nothing meanwhile
+    assert _started(engine) == 0 and _started(engine) == 1
+    assert servicer.last_step == 1
+    assert report_from_proto(next(reports)).step == 1
+    plans.close()
+    assert list(reports) == []
+    assert engine.executed == [0, 1]
+
+
+@pytest.mark.parametrize("how", ["handler closed", "rpc ended"])
+def test_a_broken_stream_starts_no_further_plan(handler, how):
+    """A report that could not be sent: grpc drops the handler (closing it), and ends the RPC."""
+    engine, servicer, plans, context, reports = handler
+    plans.send(0)
+    next(reports)
+    _started(engine)
+    engine.gate.clear()
+    plans.send(1, 2, 3)
+    assert _started(engine) == 1  # in its forward when the stream breaks
+    if how == "handler closed":
+        reports.close()
+    else:
+        context.end()
+    engine.gate.set()
+    assert _none_started(engine)
+    assert engine.executed == [0, 1] and servicer.last_step == 1
+
+
+def test_reports_made_before_a_newer_stream_took_over_are_sent_then_the_old_one_aborts(handler):
+    engine, servicer, plans, context, reports = handler
+    plans.send(0)
+    assert report_from_proto(next(reports)).step == 0
+    plans.send(1)
+    assert _started(engine) == 0 and _started(engine) == 1
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    newer_plans.send(2)
+    assert report_from_proto(next(newer)).step == 2
+    plans.send(3)
+    assert report_from_proto(next(reports)).step == 1
+    with pytest.raises(Aborted, match="superseded"):
+        next(reports)
+    assert context.aborted[0] == grpc.StatusCode.ABORTED
+    assert _started(engine) == 2 and _none_started(engine) and engine.executed == [0, 1, 2]
+    newer_context.end()
+
+
+def test_a_closed_servicer_ends_the_stream_after_the_step_in_flight(handler):
+    engine, servicer, plans, context, reports = handler
+    plans.send(0)
+    assert report_from_proto(next(reports)).step == 0
+    engine.gate.clear()
+    plans.send(1, 2)
+    assert _started(engine) == 0 and _started(engine) == 1
+    closing = threading.Thread(target=servicer.close)
+    closing.start()
+    time.sleep(0.1)
+    assert closing.is_alive()  # close waits for the step in flight
+    engine.gate.set()
+    closing.join(10)
+    assert report_from_proto(next(reports)).step == 1
+    with pytest.raises(Aborted, match="shutting down"):
+        next(reports)
+    assert context.aborted[0] == grpc.StatusCode.UNAVAILABLE
+    assert _none_started(engine) and engine.executed == [0, 1]
+
+
+def test_a_failure_outside_the_engine_ends_the_stream_from_the_handler(handler, monkeypatch):
+    engine, servicer, plans, context, reports = handler
+
+    def broken(report: Report) -> pb.ReportMsg:
+        raise ValueError("cannot encode")
+
+    monkeypatch.setattr(service, "report_to_proto", broken)
+    plans.send(0, 1)
+    with pytest.raises(ValueError, match="cannot encode"):
+        next(reports)
+    assert _started(engine) == 0 and _none_started(engine)
