@@ -104,6 +104,24 @@ def test_the_command_line_runs_each_tp_agreement_and_batch_once():
         parse_args(["--batch", "8,0"])
     with pytest.raises(SystemExit):
         parse_args(["--min-prompt", "70", "--max-prompt", "10"])
+    assert {c.forward_ms for c in configs(parse_args(["--batch", "8,64", "--forward-ms", "2.5"]))} == {2.5}
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parse_args(["--forward-ms", bad])
+
+
+def test_a_forward_that_takes_time_leaves_the_ranks_no_wait_for_the_coordinator(tmp_path):
+    """`--forward-ms`: the ranks' forward takes that long (a sleep, as a host waits on its GPU). With overlap the
+    next plan is there before a step ends, so between two steps a rank only sends its report (on its own thread,
+    while the next step runs) and reads the plan: the coordinator's time is all behind the forward."""
+    cfg = ControlPlaneConfig(batch=BATCH, tp=1, steps=STEPS, warmup=WARMUP, min_prompt=5, max_prompt=40,
+                             forward_ms=20.0)
+    runs, _ = run_all([cfg], tmp_path)
+    row = summarize(runs[0])
+    assert row["completed"] == BATCH and row["measured_steps"] == STEPS
+    assert row["ms"]["rank_engine"]["p50"] >= 20.0 and row["ms"]["total"]["p50"] >= 20.0
+    assert row["ms"]["rank_gap"]["p50"] < 5.0 and row["ms"]["exposed"]["p90"] == 0
+    assert "fwd 20" in format_table([row])
 
 
 def test_the_window_holds_enough_steady_steps_and_every_context():

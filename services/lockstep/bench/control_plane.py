@@ -75,6 +75,7 @@ class ControlPlaneConfig:
     prefix_caching: bool = True
     overlap: bool = True  # plans built ahead of the last step's reports (the coordinator's default)
     frontends: bool = False  # the tokens go to an API frontend's link (--api-workers), not to in-process queues
+    forward_ms: float = 0.0  # the ranks' forward takes this long (a sleep, as a host waits on its GPU); 0: no-op
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +83,8 @@ class ControlPlaneConfig:
             raise ValueError(f"batch, tp, steps, prompts and page size must be >= 1, warmup >= 0: {self}")
         if self.min_prompt > self.max_prompt:
             raise ValueError(f"min_prompt {self.min_prompt} > max_prompt {self.max_prompt}")
+        if not 0 <= self.forward_ms <= 10_000:  # NaN fails too
+            raise ValueError(f"forward_ms must be in [0, 10000], got {self.forward_ms}")
 
     @property
     def step_budget(self) -> int:
@@ -308,7 +311,7 @@ class BenchRanks:
     """`tp` benchmark rank processes on free local ports, started once for several runs."""
 
     def __init__(self, tp: int, agreement: bool, kv_pages: int, max_model_len: int, page_size: int,
-                 prefix_caching: bool, work_dir: Path, cpus: tuple[int, ...] = ()) -> None:
+                 prefix_caching: bool, work_dir: Path, cpus: tuple[int, ...] = (), forward_ms: float = 0.0) -> None:
         self.tp = tp
         self.work_dir = work_dir
         ports = [free_port() for _ in range(tp)]
@@ -321,7 +324,7 @@ class BenchRanks:
             cmd = [sys.executable, "-m", "lockstep.bench.control_plane_rank", "--rank", str(r), "--world-size",
                    str(tp), "--rendezvous", rendezvous, "--port", str(ports[r]), "--page-size", str(page_size),
                    "--kv-pages", str(kv_pages), "--max-model-len", str(max_model_len), "--vocab-size", str(VOCAB),
-                   "--stats", str(self.stats_paths[r])]
+                   "--stats", str(self.stats_paths[r]), "--forward-ms", repr(forward_ms)]
             cmd += [] if agreement else ["--no-agreement"]
             cmd += [] if prefix_caching else ["--no-prefix-caching"]
             cmd += ["--cpu", str(cpus[r % len(cpus)])] if cpus else []
@@ -345,15 +348,15 @@ async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile
     """Every run, grouped by (TP, agreement) so one set of ranks serves all its batches; with `profile`, the
     coordinator is profiled during the steady steps of the first group's largest batch. With `rank_cpus`, rank r
     runs on core rank_cpus[r % len] (shared when there are more ranks than cores)."""
-    groups: dict[tuple[int, bool], list[ControlPlaneConfig]] = {}
+    groups: dict[tuple[int, bool, float], list[ControlPlaneConfig]] = {}
     for cfg in configs:
-        groups.setdefault((cfg.tp, cfg.agreement), []).append(cfg)
+        groups.setdefault((cfg.tp, cfg.agreement, cfg.forward_ms), []).append(cfg)
     runs: list[RunRaw] = []
     profiler = cProfile.Profile() if profile else None
-    for (tp, agreement), cfgs in groups.items():
+    for (tp, agreement, forward_ms), cfgs in groups.items():
         big = max(cfgs, key=lambda c: c.kv_pages)
         ranks = BenchRanks(tp, agreement, big.kv_pages, max(c.max_model_len for c in cfgs), big.page_size,
-                           big.prefix_caching, work_dir, rank_cpus)
+                           big.prefix_caching, work_dir, rank_cpus, forward_ms)
         mine: list[RunRaw] = []
         try:
             for cfg in cfgs:

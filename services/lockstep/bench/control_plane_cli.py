@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill's step budget")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--forward-ms", type=float, default=0.0,
+                   help="the ranks' forward takes this long, as a GPU's would (the host sleeps, as it waits on the "
+                        "device); 0: no-op. What the total adds to it is what the forward does not hide")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also cProfile the coordinator in an extra run (first TP, largest batch) and print its "
                         "top N functions by own time")
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.min_prompt < 1 or args.min_prompt > args.max_prompt:
         p.error("--steps must be >= 1, --warmup >= 0 and 1 <= --min-prompt <= --max-prompt")
+    if not 0 <= args.forward_ms <= 10_000:  # NaN fails too
+        p.error(f"--forward-ms must be in [0, 10000], got {args.forward_ms}")
     return args
 
 
@@ -69,7 +74,8 @@ def configs(args: argparse.Namespace) -> list[ControlPlaneConfig]:
     return [ControlPlaneConfig(batch=b, tp=tp, steps=args.steps, warmup=args.warmup, agreement=agree,
                                min_prompt=args.min_prompt, max_prompt=args.max_prompt, page_size=args.page_size,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               prefix_caching=not args.no_prefix_caching, overlap=overlap, frontends=fe)
+                               prefix_caching=not args.no_prefix_caching, overlap=overlap, frontends=fe,
+                               forward_ms=args.forward_ms)
             for tp in args.tp for agree in (modes[args.agreement] if tp > 1 else (True,))
             for overlap in modes[args.overlap] for fe in modes[args.frontends] for b in args.batch]
 

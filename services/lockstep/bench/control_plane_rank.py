@@ -71,6 +71,7 @@ class NoopForwardEngine(Engine):
     def __init__(self, kv: KVCache, cache: RankCache, comm: Comm, config: ModelConfig, agreement: bool = True) -> None:
         super().__init__(None, kv, cache, comm, config, MODEL_ID)  # type: ignore[arg-type]  # no model: `_run` needs none
         self.agreement = agreement
+        self.forward_s = 0.0  # `--forward-ms`: how long the forward takes (a sleep: the host waiting on its GPU)
 
     @classmethod
     def build(cls, rank: int, world_size: int, rendezvous: str, page_size: int, kv_pages: int, vocab_size: int,
@@ -110,6 +111,8 @@ class NoopForwardEngine(Engine):
 
     def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
         self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
+        if self.forward_s:  # the device's share, waited for with the GIL free, as a CUDA sync waits
+            time.sleep(self.forward_s)
         rows = [i for i, go in enumerate(batch.sample) if go]
         rids = [batch.request_ids[i] for i in rows]
         tokens = self._draws(rids, [batch.sampling[i] for i in rows], [batch.sample_index[i] for i in rows])
@@ -167,6 +170,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-agreement", action="store_true", help="skip the agreement all-reduce (TP > 1)")
     p.add_argument("--cpu", type=int, help="run on this core alone (the benchmark's --split-cores)")
     p.add_argument("--stats", type=Path, required=True, help="write the per-step wire times and final state here")
+    p.add_argument("--forward-ms", type=float, default=0.0, help="the forward takes this long (a sleep, as on a GPU)")
     return p.parse_args(argv)
 
 
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(NoopForwardEngine.build(c.rank, c.world_size, c.rendezvous, c.page_size, c.kv_pages,
                                                args.vocab_size, args.max_model_len, c.prefix_caching,
                                                not args.no_agreement))
+        engines[0].forward_s = args.forward_ms / 1e3
         return engines[0]
 
     wire_times = WireTimes()
