@@ -99,8 +99,10 @@ class ApiWorkers:
             for _ in range(config.api_workers):
                 workers._spawn(None)
             await workers._until_linked()
-        except BaseException:
-            workers.close_now()
+        except BaseException as exc:
+            # cancelled: the coordinator was told to stop while they started, so killing them is no failure
+            workers.close_now("was still starting when the coordinator stopped" if isinstance(
+                exc, asyncio.CancelledError) else "")
             await server.stop(0)  # else it serves on, with nothing to stop it
             raise
         workers._watch = asyncio.ensure_future(workers._restart_exited())
@@ -185,12 +187,16 @@ class ApiWorkers:
         finally:
             self.close_now()
 
-    def close_now(self) -> None:
-        """Kill what still runs and remove the link's directory; safe to call more than once, and when cancelled."""
+    def close_now(self, starting: str = "") -> None:
+        """Kill what still runs and remove the link's directory; safe to call more than once, and when cancelled.
+        `starting`: why a frontend still runs is no fault (logged so, not as an error)."""
         self._stopping = True
         for proc in self.procs:
             if proc.poll() is None:
-                log.error("API frontend pid %d did not stop; killed", proc.pid)
+                if starting:
+                    log.info("API frontend pid %d %s; killed", proc.pid, starting)
+                else:
+                    log.error("API frontend pid %d did not stop; killed", proc.pid)
                 proc.kill()
                 proc.wait()
         self.sock.close()
