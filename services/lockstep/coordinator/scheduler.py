@@ -31,7 +31,7 @@ from lockstep.chunk_columns import ChunkColumns
 from lockstep.coordinator.admission import AdmissionControl
 from lockstep.coordinator.admitting import Admitting
 from lockstep.coordinator.agreement import ProbeBook
-from lockstep.coordinator.events import Event, EventKind
+from lockstep.coordinator.events import Event, EventKind, token_event
 from lockstep.coordinator.lookahead import chunks_ahead
 from lockstep.coordinator.rebalance import Move, Rebalancer
 from lockstep.coordinator.request import FinishReason, Request, RequestStatus
@@ -431,8 +431,8 @@ class Scheduler(Admitting):
                 events.append(self._finish(req, FinishReason.ERROR, f"no rank sampled a token at step {plan.step}"))
                 continue
             reason = req.append(got.token_id)
-            events.append(Event(rid, TOKEN, got.token_id, None, "", True, got.logprobs,
-                                req.prompt_logprobs_to_send() if req.sampling.prompt_logprobs >= 0 else None))
+            events.append(token_event(rid, got.token_id, got.logprobs,
+                                      req.prompt_logprobs_to_send() if req.sampling.prompt_logprobs >= 0 else None))
             if reason is not None:
                 events.append(self._finish(req, reason))
 
