@@ -181,14 +181,85 @@ def test_a_closed_servicer_ends_the_stream_after_the_step_in_flight(handler):
     assert _none_started(engine) and engine.executed == [0, 1]
 
 
-def test_a_failure_outside_the_engine_ends_the_stream_from_the_handler(handler, monkeypatch):
+def _first(reports: Iterator[pb.ReportMsg]) -> tuple[threading.Thread, list]:
+    """A thread that asks the handler for its first report (a generator starts only then), and what it got."""
+    got: list = []
+
+    def ask() -> None:
+        try:
+            got.append(next(reports))
+        except Exception as e:
+            got.append(e)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_a_report_that_cannot_be_encoded_ends_the_stream_from_the_handler(handler, monkeypatch):
+    """The handler encodes the reports it sends: its failure ends the stream as a failed send does, after at
+    most the step already started."""
     engine, servicer, plans, context, reports = handler
 
     def broken(report: Report) -> pb.ReportMsg:
         raise ValueError("cannot encode")
 
     monkeypatch.setattr(service, "report_to_proto", broken)
-    plans.send(0, 1)
-    with pytest.raises(ValueError, match="cannot encode"):
+    plans.send(0, 1)  # a coordinator with overlap sends plan k + 1 before it has report k, never k + 2
+    asking, got = _first(reports)
+    asking.join(10)
+    assert isinstance(got[0], ValueError) and "cannot encode" in str(got[0])
+    assert _started(engine) == 0
+    plans.send(2)
+    time.sleep(0.3)
+    assert engine.executed in ([0], [0, 1])
+
+
+def test_a_failure_parsing_a_plan_ends_the_stream_in_its_turn(handler, monkeypatch):
+    """An exception that is no WireError (a bug) ends the stream from the handler once the plans before it are
+    answered, as when the step thread parsed its plans itself."""
+    engine, servicer, plans, context, reports = handler
+    parse = service.plan_from_proto
+
+    def failing(msg: pb.PlanMsg) -> Plan:
+        if msg.step == 1:
+            raise KeyError("no such field")
+        return parse(msg)
+
+    monkeypatch.setattr(service, "plan_from_proto", failing)
+    plans.send(0, 1, 2)
+    assert report_from_proto(next(reports)).step == 0
+    with pytest.raises(KeyError, match="no such field"):
         next(reports)
-    assert _started(engine) == 0 and _none_started(engine)
+    assert _started(engine) == 0 and _none_started(engine) and engine.executed == [0]
+
+
+def test_the_step_thread_neither_parses_plans_nor_encodes_reports(handler, monkeypatch):
+    """Plan k + 1 is parsed while step k runs, and report k encoded by the handler, so on a GPU host the step
+    thread goes from one step to the next with nothing of the wire's in between."""
+    engine, servicer, plans, context, reports = handler
+    parsed: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+    encoders: set[str] = set()
+    parse, encode = service.plan_from_proto, service.report_to_proto
+
+    def parsing(msg: pb.PlanMsg) -> Plan:
+        parsed.put((msg.step, threading.current_thread().name))
+        return parse(msg)
+
+    def encoding(report: Report) -> pb.ReportMsg:
+        encoders.add(threading.current_thread().name)
+        return encode(report)
+
+    monkeypatch.setattr(service, "plan_from_proto", parsing)
+    monkeypatch.setattr(service, "report_to_proto", encoding)
+    engine.gate.clear()
+    plans.send(0)
+    asking, got = _first(reports)
+    assert _started(engine) == 0
+    plans.send(1)
+    assert parsed.get(timeout=10) == (0, "plan-reader") and parsed.get(timeout=10) == (1, "plan-reader")
+    assert engine.executed == []  # plan 1 was parsed while step 0 was still in its forward
+    engine.gate.set()
+    asking.join(10)
+    assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+    assert encoders and "step-runner" not in encoders

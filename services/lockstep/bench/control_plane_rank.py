@@ -41,7 +41,7 @@ from lockstep.model.kv_cache import KVCache
 from lockstep.parallel.comm import Comm, init_comm, single_comm
 from lockstep.rank import service
 from lockstep.rank.main import RankConfig, run
-from lockstep.steps import Plan, PromptLogprobs, Sampled, SamplingParams
+from lockstep.steps import Plan, PromptLogprobs, Report, Sampled, SamplingParams
 
 log = logging.getLogger("lockstep.bench.control_plane_rank")
 
@@ -72,6 +72,8 @@ class NoopForwardEngine(Engine):
         super().__init__(None, kv, cache, comm, config, MODEL_ID)  # type: ignore[arg-type]  # no model: `_run` needs none
         self.agreement = agreement
         self.forward_s = 0.0  # `--forward-ms`: how long the forward takes (a sleep: the host waiting on its GPU)
+        self.began: dict[int, float] = {}  # perf_counter at which each step's engine work began, and ended
+        self.ended: dict[int, float] = {}
 
     @classmethod
     def build(cls, rank: int, world_size: int, rendezvous: str, page_size: int, kv_pages: int, vocab_size: int,
@@ -88,6 +90,14 @@ class NoopForwardEngine(Engine):
         cache = RankCache({POOL_FULL: PagePool(POOL_FULL, kv_pages)}, page_size, key_salt(MODEL_ID, page_size),
                           max_model_len, prefix_caching, rank)
         return cls(kv, cache, comm, config, agreement)
+
+    def step(self, plan: Plan) -> Report:
+        """The serving engine's step, timed from the rank's step thread: between two steps that thread waits for
+        the next plan and does the rank service's bookkeeping, nothing else (`rank gap`)."""
+        began = time.perf_counter()
+        report = super().step(plan)
+        self.began[plan.step], self.ended[plan.step] = began, time.perf_counter()
+        return report
 
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         if self.agreement:
@@ -122,34 +132,26 @@ class NoopForwardEngine(Engine):
 
 
 class WireTimes:
-    """The rank service's plan deserialization and report serialization, timed per step in this process only,
-    and when each began and ended (`plan_at`, `report_done`: the rank's time between its steps is the report's
-    send and the wait for the next plan).
+    """The rank service's plan deserialization and report serialization, timed per step in this process only.
 
     The rank service records the engine's time and its own (`Timings`), not the protobuf conversions around
-    them; wrapping the two names it calls, here, measures them without touching the serving code."""
+    them (its reader thread parses a plan, its handler encodes a report, both beside the step thread); wrapping
+    the two names it calls, here, measures them without touching the serving code."""
 
     def __init__(self) -> None:
         self.plan_s: dict[int, float] = {}
         self.report_s: dict[int, float] = {}
-        self.plan_at: dict[int, float] = {}  # perf_counter at which the step's plan began to be read
-        self.report_done: dict[int, float] = {}  # ... and at which its report was serialized
 
     def install(self) -> None:
-        service.plan_from_proto = self._timed(service.plan_from_proto, self.plan_s, self.plan_at, at_start=True)
-        service.report_to_proto = self._timed(service.report_to_proto, self.report_s, self.report_done,
-                                              by_argument=True)
+        service.plan_from_proto = self._timed(service.plan_from_proto, self.plan_s)
+        service.report_to_proto = self._timed(service.report_to_proto, self.report_s, by_argument=True)
 
     @staticmethod
-    def _timed(fn: Callable[[Any], Any], into: dict[int, float], at: dict[int, float], by_argument: bool = False,
-               at_start: bool = False) -> Callable[[Any], Any]:
+    def _timed(fn: Callable[[Any], Any], into: dict[int, float], by_argument: bool = False) -> Callable[[Any], Any]:
         def timed(obj: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(obj)
-            t1 = time.perf_counter()
-            step = (obj if by_argument else out).step
-            into[step] = t1 - t0
-            at[step] = t0 if at_start else t1
+            into[(obj if by_argument else out).step] = time.perf_counter() - t0
             return out
 
         return timed
@@ -198,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     code = run(cfg, factory)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # Linux only
     state: dict[str, Any] = {"rank": args.rank, "exit": code, "plan_s": wire_times.plan_s,
-                             "report_s": wire_times.report_s, "plan_at": wire_times.plan_at,
-                             "report_done": wire_times.report_done, "cpus": cpus}
+                             "report_s": wire_times.report_s, "cpus": cpus}
     if engines:
+        state["step_began"], state["step_ended"] = engines[0].began, engines[0].ended
         cache = engines[0].cache
         try:
             cache.check()

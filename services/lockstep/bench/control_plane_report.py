@@ -8,10 +8,11 @@ Per step (ms, p50 and p90 over the measured steps):
 - round trip: from the plan queued to every rank's report back and decoded (the agreement wait);
 - rank apply: the slowest rank's plan protobuf -> plan, its rank service's step (the StepGate and the engine:
   RankCache prepare, the agreement all-reduce, the no-op forward, RankCache advance and finish) and its report
-  -> protobuf; `rank engine` is the engine's part of it alone, `rank wire` the two protobuf conversions;
-- rank gap: the least any rank spent between the step before and this one: sending its report and waiting for
-  this plan (the plan read, ended by the report serialized before). Above the send's own cost the ranks waited
-  on the coordinator: the step's pace was the coordinator's, not theirs;
+  -> protobuf; `rank engine` is the engine's part of it alone, `rank wire` the two protobuf conversions (done
+  beside the step thread: by the thread that reads the plan and the handler that sends the report);
+- rank gap: the least time any rank's step thread spent between the step before and this one, outside its
+  engine: waiting for this plan, and the rank service's own bookkeeping (a few microseconds). More than that
+  and the ranks waited on the coordinator: the step's pace was the coordinator's, not theirs;
 - transport: round trip minus rank apply: gRPC (with the plan's encoding and the reports' decoding,
   `wire.report_from_proto`), both processes' thread hand-offs and the event loop's wake-up (with overlap
   the ranks start a plan sent ahead before its round trip is timed, so this reads below zero there);
@@ -61,10 +62,10 @@ def _rank_apply(reports: list, stats: list[dict[str, Any]]) -> tuple[float, floa
 
 
 def _rank_gap(step: int, stats: list[dict[str, Any]]) -> float:
-    """Of one step, the least time any rank spent between its report of the step before and this plan."""
+    """Of one step, the least time any rank's step thread spent between the engine's step before and this one."""
     key, before = str(step), str(step - 1)
-    gaps = [own["plan_at"][key] - own["report_done"][before] for own in stats
-            if key in own.get("plan_at", {}) and before in own.get("report_done", {})]
+    gaps = [own["step_began"][key] - own["step_ended"][before] for own in stats
+            if key in own.get("step_began", {}) and before in own.get("step_ended", {})]
     return min(gaps, default=0.0)
 
 
@@ -149,7 +150,7 @@ def _anchors(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  target total <= {TARGET_TOTAL_MS:g} ms at batch {TARGET_BATCH}"
                          f"{f' beyond a {forward:g} ms forward' if forward else ''}, {_name(row)}:"
                          f" p50 {total:.3f} ms ({verdict}); exposed p50 {exposed:.3f} ms; the ranks spent p50"
-                         f" {gap:.3f} ms between steps (their report's send and the wait for the next plan)")
+                         f" {gap:.3f} ms between steps (waiting for the next plan)")
     bad = [r for r in rows if r["completed"] != r["batch"] or any(r["final_used_pages"])]
     for r in bad:
         lines.append(f"  WARNING {_name(r)}: {r['completed']}/{r['batch']} requests completed, "

@@ -7,7 +7,8 @@ protocol's delivery rules live:
   skips a step or goes back is refused (its report says which step was expected) instead of run;
   a stream's plans run on a thread of their own, so plan k+1 starts while report k is still being sent
   (grpc's sync server sends each report before it asks the handler for the next), and none starts once
-  the stream broke;
+  the stream broke; that thread only runs steps: plan k+1 is parsed by the thread that reads it, and report
+  k serialized by the handler that sends it, both while step k+1 (or k) runs;
 - every plan gets exactly one report, even a refused one, so the coordinator's agreement wait
   always ends;
 - a plan delivered twice (a coordinator that resends after a reconnect) is answered again from
@@ -74,8 +75,8 @@ class _Superseded(Exception):
 
 
 class _Stream:
-    """One Step stream: the plans its reader thread has received, the reports its step thread made (`outbox`,
-    in plan order, then one of the markers below), and why it must end, if it must."""
+    """One Step stream: the plans its reader thread has received and parsed, the reports its step thread made
+    (`outbox`, in plan order, then one of the markers below), and why it must end, if it must."""
 
     _EOF = object()
     _ABORT = object()  # the stream must end with `end`: the handler aborts (grpc takes an abort only from there)
@@ -102,14 +103,34 @@ class _Stream:
             self.stop(grpc.StatusCode.CANCELLED, why)
 
     def read(self, requests: Iterator[pb.PlanMsg]) -> None:
+        """Each plan read off the wire and parsed here, while the step thread runs the step before it (on a GPU
+        host, while the device runs it): the step thread does nothing but steps."""
         try:
             for msg in requests:
-                self.inbox.put(msg)
+                self.inbox.put(_parsed(msg))
         except Exception:  # the RPC ended (cancelled, aborted, broken): nothing more will arrive
             pass
         finally:
             self.reading = False
             self.inbox.put(self._EOF)
+
+
+class _BadPlan:
+    """A message that is no plan (`WireError`): the step thread refuses it in its turn, by its step number."""
+
+    def __init__(self, msg: pb.PlanMsg, error: WireError) -> None:
+        self.step, self.error = msg.step, error
+
+
+def _parsed(msg: pb.PlanMsg) -> Plan | _BadPlan | BaseException:
+    """The plan, or why it is none; an exception that is no WireError (a bug) goes to the step thread, which
+    ends the stream with it in order, as if it had parsed the plan itself."""
+    try:
+        return plan_from_proto(msg)
+    except WireError as e:
+        return _BadPlan(msg, e)
+    except Exception as e:
+        return e
 
 
 class RankServicer(rank_pb2_grpc.RankServiceServicer):
@@ -187,7 +208,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                 self._on_fatal(str(e))
         return replace(report, timings=replace(report.timings, rank_step_s=time.perf_counter() - t0))
 
-    def _refuse(self, plan: Plan | pb.PlanMsg, why: str) -> Report:
+    def _refuse(self, plan: Plan | _BadPlan, why: str) -> Report:
         """Answer a plan without running it. In a group of several ranks the peers may be running it, and
         would wait in its collectives for this rank forever: the group is broken, so the rank exits."""
         log.error("rank %d: refusing plan %d: %s", self.rank, plan.step, why)
@@ -265,7 +286,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield report_to_proto(item)  # here, not on the step thread: it runs the next step meanwhile
         finally:  # a report that could not be sent (the stream broke): no further plan of this stream starts
             stream.drop("the Step stream's handler ended")
 
@@ -273,25 +294,26 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         """The stream's plans, carried out one after the other; their reports, then a marker, go to the outbox."""
         try:
             while True:
-                msg = stream.inbox.get()
+                item = stream.inbox.get()
                 if stream.end is not None:
                     stream.outbox.put(_Stream._ABORT)
                     return
-                if msg is _Stream._EOF:
+                if item is _Stream._EOF:
                     stream.outbox.put(_Stream._DONE)
                     return
-                stream.outbox.put(report_to_proto(self._carry_out(stream, msg)))
+                stream.outbox.put(self._carry_out(stream, item))
         except _Superseded:
             stream.outbox.put(_Stream._ABORT)
         except BaseException as e:  # the handler raises it, as if it had run the step itself
             stream.outbox.put(e)
 
-    def _carry_out(self, stream: _Stream, msg: pb.PlanMsg) -> Report:
-        """One plan of `stream`: refused if it does not parse; `_Superseded` once a newer stream owns the rank."""
-        try:
-            plan = plan_from_proto(msg)
-        except WireError as e:
-            return self._refuse(msg, f"bad plan: {e}")
+    def _carry_out(self, stream: _Stream, plan: Plan | _BadPlan | BaseException) -> Report:
+        """One plan of `stream` as its reader parsed it: refused if it did not parse; `_Superseded` once a newer
+        stream owns the rank."""
+        if isinstance(plan, BaseException):
+            raise plan
+        if isinstance(plan, _BadPlan):
+            return self._refuse(plan, f"bad plan: {plan.error}")
         with self._execute_lock:
             if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
                 raise _Superseded()
