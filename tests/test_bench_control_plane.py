@@ -105,6 +105,10 @@ def test_the_command_line_runs_each_tp_agreement_and_batch_once():
     with pytest.raises(SystemExit):
         parse_args(["--min-prompt", "70", "--max-prompt", "10"])
     assert {c.forward_ms for c in configs(parse_args(["--batch", "8,64", "--forward-ms", "2.5"]))} == {2.5}
+    ahead = [c.prepare_ahead for c in configs(parse_args(["--batch", "8", "--tp", "1", "--overlap", "on",
+                                                          "--forward-ms", "2", "--prepare-ahead", "both"]))]
+    assert ahead == [True, False]
+    assert all(c.prepare_ahead for c in configs(parse_args(["--batch", "8", "--prepare-ahead", "off"])))  # no forward
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             parse_args(["--forward-ms", bad])
@@ -122,6 +126,17 @@ def test_a_forward_that_takes_time_leaves_the_ranks_no_wait_for_the_coordinator(
     assert row["ms"]["rank_engine"]["p50"] >= 20.0 and row["ms"]["total"]["p50"] >= 20.0
     assert row["ms"]["rank_gap"]["p50"] < 5.0 and row["ms"]["exposed"]["p90"] == 0
     assert "fwd 20" in format_table([row])
+    # the ranks prepared step k + 1 while their forward of step k ran: plan k + 1 had arrived by then
+    assert row["prepare_ahead"] and row["prepared_ahead"] >= 0.9
+
+
+def test_without_preparing_ahead_no_step_is_staged(tmp_path):
+    cfg = ControlPlaneConfig(batch=8, tp=1, steps=5, warmup=2, min_prompt=5, max_prompt=20, forward_ms=5.0,
+                             prepare_ahead=False)
+    runs, _ = run_all([cfg], tmp_path)
+    row = summarize(runs[0])
+    assert row["completed"] == 8 and row["prepared_ahead"] == 0 and runs[0].rank_stats[0]["staged"] == []
+    assert "fwd 5 sync" in format_table([row])
 
 
 def test_the_window_holds_enough_steady_steps_and_every_context():

@@ -91,15 +91,22 @@ class Plans:
         self._q.put(None)
 
 
-@pytest.fixture
-def handler():
-    engine = GatedEngine()
+def _serving(engine: GatedEngine) -> Iterator[tuple]:
+    """A servicer around `engine` and one Step stream to it; afterwards every gate opens and the stream ends."""
     servicer = RankServicer(0, engine)
     plans, context = Plans(), FakeContext()
     reports = servicer.Step(iter(plans), context)
     yield engine, servicer, plans, context, reports
+    engine.gate.set()
+    if isinstance(engine, StagingEngine):
+        engine.ahead_gate.set()
     context.end()
     servicer.close()
+
+
+@pytest.fixture
+def handler():
+    yield from _serving(GatedEngine())
 
 
 def _started(engine: GatedEngine, timeout: float = 10) -> int:
@@ -263,3 +270,135 @@ def test_the_step_thread_neither_parses_plans_nor_encodes_reports(handler, monke
     asking.join(10)
     assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
     assert encoders and "step-runner" not in encoders
+
+
+class StagingEngine(GatedEngine):
+    """An engine whose host runs ahead of its device: in each step, once `ahead_gate` opens, it calls `ahead`
+    (the service hands it the next plan, if that has arrived) and then waits for `gate`, its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ahead_gate = threading.Event()
+        self.ahead_gate.set()
+        self.staged: list[int] = []
+        self.forward_s = 0.0  # how long the "device" runs each forward after `ahead` is called
+
+
+    def stage(self, plan: Plan) -> None:
+        self.staged.append(plan.step)
+
+    def step(self, plan: Plan, ahead: Callable[[Callable[[], float]], None] | None = None) -> Report:
+        self.started.put(plan.step)
+        assert self.ahead_gate.wait(10)
+        if ahead is not None:
+            done = time.perf_counter() + self.forward_s
+            ahead(lambda: max(0.0, done - time.perf_counter()))
+        assert self.gate.wait(10)
+        self.executed.append(plan.step)
+        return Report(plan.step, 0)
+
+
+@pytest.fixture
+def staging():
+    yield from _serving(StagingEngine())
+
+
+def _step_zero_in_its_forward_with_one_prepared(engine: StagingEngine, servicer: RankServicer, plans: Plans,
+                                                reports: Iterator[pb.ReportMsg]) -> tuple[threading.Thread, list]:
+    engine.gate.clear()
+    engine.ahead_gate.clear()
+    plans.send(0, 1)
+    asking, got = _first(reports)
+    assert _started(engine) == 0
+    time.sleep(0.2)  # plan 1 read and parsed meanwhile
+    engine.ahead_gate.set()
+    deadline = time.monotonic() + 10
+    while not engine.staged and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.staged == [1] and engine.executed == []
+    return asking, got
+
+
+def test_the_next_plan_is_prepared_during_the_forward_and_counts_as_started(staging):
+    engine, servicer, plans, context, reports = staging
+    between: list[int] = []  # last_step as each plan reaches the gate, after the step before has ended
+    deliver = servicer._gate.deliver
+
+    def delivering(plan: Plan, run: Callable, refuse: Callable) -> Report:
+        between.append(servicer.last_step)
+        return deliver(plan, run, refuse)
+
+    servicer._gate.deliver = delivering
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    assert servicer.last_step == 1  # a coordinator taking over now plans step 2: step 1 will run
+    engine.gate.set()
+    asking.join(10)
+    assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+    assert engine.executed == [0, 1] and servicer.last_step == 1
+    assert between == [-1, 1]  # from step 0's end to step 1's start, step 1 counted as started
+
+
+def test_a_plan_that_is_not_the_next_step_is_not_prepared(staging):
+    engine, servicer, plans, context, reports = staging
+    plans.send(0, 2)
+    assert report_from_proto(next(reports)).step == 0
+    refused = report_from_proto(next(reports))
+    assert "out of order" in refused.error and engine.staged == [] and engine.executed == [0]
+
+
+def test_a_plan_prepared_ahead_runs_and_is_answered_though_a_newer_stream_took_over(staging):
+    engine, servicer, plans, context, reports = staging
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    assert servicer.last_step == 1  # what the newer coordinator reads: it plans step 2
+    engine.gate.set()
+    asking.join(10)
+    assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+    with pytest.raises(Aborted, match="superseded"):
+        next(reports)
+    newer_plans.send(2)
+    taking.join(10)
+    assert report_from_proto(taken[0]).step == 2 and engine.executed == [0, 1, 2]
+    newer_context.end()
+
+
+def test_a_closing_servicer_waits_for_the_plan_prepared_ahead_too(staging):
+    engine, servicer, plans, context, reports = staging
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    closing = threading.Thread(target=servicer.close)
+    closing.start()
+    time.sleep(0.2)
+    assert closing.is_alive()
+    engine.gate.set()
+    closing.join(10)
+    assert not closing.is_alive() and engine.executed == [0, 1]
+
+
+def test_a_plan_that_arrives_while_the_forward_runs_is_waited_for_and_prepared(staging):
+    engine, servicer, plans, context, reports = staging
+    engine.forward_s = 5.0
+    engine.gate.clear()
+    plans.send(0)
+    asking, got = _first(reports)
+    assert _started(engine) == 0
+    time.sleep(0.2)  # the step thread waits in `ahead` for the next plan while the "device" runs step 0
+    assert engine.staged == []
+    plans.send(1)
+    deadline = time.monotonic() + 4
+    while not engine.staged and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.staged == [1] and engine.executed == []
+    engine.gate.set()
+    asking.join(10)
+    assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+
+
+def test_once_the_forward_is_done_the_step_waits_for_no_plan(staging):
+    engine, servicer, plans, context, reports = staging
+    plans.send(0)
+    assert report_from_proto(next(reports)).step == 0  # no plan 1 came: the report went without waiting
+    plans.send(1)
+    assert report_from_proto(next(reports)).step == 1 and engine.staged == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,34 @@ def pick_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def host_runs_ahead(device: torch.device) -> bool:
+    """Whether the host goes on while `device` computes (CUDA queues kernels on a stream), so that a rank has time
+    to prepare its next step during this one's forward. On the CPU a forward is done when its call returns."""
+    return device.type == "cuda"
+
+
+CUDA_POLL_S = 50e-6  # how often a rank waiting for its next plan looks whether its forward is done
+
+
+def busy_probe(device: torch.device) -> Callable[[], float]:
+    """For the work queued on `device` until now: how long to wait before asking again whether it still runs, 0
+    once it is done. On CUDA an event recorded now and polled; on the CPU the work is done once its call returns."""
+    if device.type != "cuda":
+        return lambda: 0.0
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return lambda: 0.0 if done.query() else CUDA_POLL_S
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting on it: on CUDA through pinned memory, non-blocking (a blocking
+    copy first waits for every kernel queued before it, so a rank preparing its next step would stall until this
+    step's forward ends). On the CPU, the tensor itself."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def pick_dtype(requested: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:

@@ -19,12 +19,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lockstep.chunk_columns import ChunkColumns
-from lockstep.device import pick_device, pick_dtype
+from lockstep.device import busy_probe, host_runs_ahead, pick_device, pick_dtype
 from lockstep.engine_config import EngineConfig
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
@@ -52,6 +54,22 @@ SAMPLING_RANK = 0
 AGREEMENT_SLOTS = 64
 
 
+_Inputs = tuple[torch.Tensor, dict[str, AttentionBatch]]  # the forward's token ids and attention batches
+Ahead = Callable[[Callable[[], float]], None]  # `Engine.step`'s hook, given the forward's probe
+_Outcome = tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...], tuple[tuple, tuple] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A plan prepared ahead (`Engine.stage`): the object the service holds, as columns, why it is refused, and
+    its forward's inputs when they could be built ahead."""
+
+    source: Plan
+    plan: Plan
+    error: str
+    inputs: _Inputs | None
+
+
 class Engine:
     """One rank's shard of the model and its KV memory; the pages' bookkeeping is its RankCache."""
 
@@ -68,6 +86,10 @@ class Engine:
         self.penalties = PenaltyBook()  # token counts of the penalized requests this rank holds
         self.drawn: dict[str, int] = {}  # the sampling rank's tokens of its last step, for pending chunks
         self._tables: dict[str, tuple[object, torch.Tensor]] = {}  # each pool's block table, wrapped (_host_table)
+        self._staged: _Staged | None = None
+        # whether the host goes on while the device computes a forward (a CUDA stream): only then is there time to
+        # prepare the next step during this one's forward
+        self.runs_ahead = host_runs_ahead(self.device)
         self.page_bytes = {name: KVCache.bytes_per_page(config, comm.world_size, kv.page_size, kv.k[0].dtype, name)
                            for name in cache.pools}
 
@@ -117,19 +139,25 @@ class Engine:
             page_bytes=tuple(self.page_bytes.items()),
         )
 
-    def step(self, plan: Plan) -> Report:
-        """Carry out one plan in the order of the step protocol; the report is what this rank holds after it."""
+    def step(self, plan: Plan, ahead: Ahead | None = None) -> Report:
+        """Carry out one plan in the order of the step protocol; the report is what this rank holds after it.
+
+        `ahead` is called while the device runs this step's forward (`runs_ahead`), once this step's pages are
+        advanced and its report's state taken, with a probe of the forward (`device.busy_probe`): the rank
+        service waits there for the next plan while the forward runs, and hands it to `stage`."""
         t0 = time.perf_counter()
-        if not isinstance(plan.batch, ChunkColumns):  # a plan made here, not read off the wire (tests, benchmarks)
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            if staged.source is not plan:  # its prepare is done and cannot be taken back: a bug of the caller's
+                raise GroupBroken(f"rank {self.comm.rank}: step {staged.plan.step} was prepared ahead, but step "
+                                  f"{plan.step} came instead")
+            plan = staged.plan
+        elif not isinstance(plan.batch, ChunkColumns):  # a plan made here, not off the wire (tests, benchmarks)
             plan = dataclasses.replace(plan, batch=ChunkColumns.of(plan.batch))
         if plan.release_all:
             self.penalties.clear()
         self.penalties.release(plan.releases)  # a released request is admitted again with its history
-        try:
-            self.cache.prepare(plan)
-            error = ""
-        except StepRefused as exc:
-            error = str(exc)
+        error = staged.error if staged is not None else self._prepare(plan)
         drawn, error = self._pending_tokens(plan, error)
         refused, drawn = self._agree(plan.step, error, drawn)
         if refused:
@@ -142,15 +170,42 @@ class Engine:
             log.info("rank %d: KV pools fenced at step %d at %s", self.comm.rank, plan.step, dict(plan.pool_fence))
         sampled: tuple[Sampled, ...] = ()
         scored: tuple[PromptLogprobs, ...] = ()
+        finished = None
         forward_s = 0.0
         if not error and plan.batch:
             t1 = time.perf_counter()
-            (sampled, scored), error = self._forward(_resolved(plan, drawn) if drawn else plan)
+            inputs = staged.inputs if staged is not None else None
+            (sampled, scored, finished), error = self._forward(plan, drawn, inputs, ahead)
             forward_s = time.perf_counter() - t1
         self.drawn = {s.request_id: s.token_id for s in sampled} if self.comm.rank == SAMPLING_RANK else {}
-        probes, pools = self.cache.finish(plan)
+        probes, pools = finished if finished is not None else self.cache.finish(plan)
         timings = Timings(step_s=time.perf_counter() - t0, forward_s=forward_s)
         return Report(plan.step, self.comm.rank, sampled, probes, pools, error, timings, scored)
+
+    def stage(self, plan: Plan) -> None:
+        """The next plan's host work, done while the device runs this step's forward (called from `ahead`):
+        its RankCache prepare, in the same order after this step's advance and finish as without it, and its
+        forward's inputs, whose pending tokens are filled in once the agreement gives them. The plan counts as
+        started from here: its prepare cannot be taken back, so `step` must get this very plan next."""
+        staged = plan if isinstance(plan.batch, ChunkColumns) else dataclasses.replace(
+            plan, batch=ChunkColumns.of(plan.batch))
+        error = self._prepare(staged)
+        inputs = None
+        if not error and staged.batch and not (staged.pool_split or staged.pool_fence):
+            try:
+                inputs = self._inputs(staged.batch)
+            except Exception:  # the step builds them again and fails where it would have
+                log.debug("rank %d: the inputs of step %d could not be built ahead", self.comm.rank, plan.step,
+                          exc_info=True)
+        self._staged = _Staged(plan, staged, error, inputs)
+
+    def _prepare(self, plan: Plan) -> str:
+        """RankCache's prepare of the plan; why this rank refuses the step, or ""."""
+        try:
+            self.cache.prepare(plan)
+            return ""
+        except StepRefused as exc:
+            return str(exc)
 
     def _resize(self, plan: Plan) -> None:
         """The split the group agreed on, carried out on the KV tensors. The bookkeeping moved at `prepare` and
@@ -210,17 +265,20 @@ class Engine:
             shared += [int(t) for t in more]
         return False, shared
 
-    def _forward(self, plan: Plan) -> tuple[tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]], str]:
-        """((sampled tokens, prompt scores), error). Alone, a failed forward is a refused step; in a group it
-        breaks the group, since the peers may be waiting in one of its collectives."""
+    def _forward(self, plan: Plan, drawn: list[int], inputs: _Inputs | None, ahead: Ahead | None
+                 ) -> tuple[_Outcome, str]:
+        """((sampled tokens, prompt scores, the finished state or None), error). Alone, a failed forward is a
+        refused step; in a group it breaks the group, since the peers may be waiting in one of its collectives."""
         try:
-            return self._run(plan.batch), ""
+            return self._run(plan, drawn, inputs, ahead), ""
+        except GroupBroken:
+            raise
         except Exception as exc:
             if self.comm.world_size > 1:
                 raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed inside the forward, where "
                                   f"its peers may be waiting in a collective: {exc}") from exc
             log.exception("rank 0: the forward of step %d failed", plan.step)
-            return ((), ()), f"rank 0: {type(exc).__name__} in the forward: {exc}"
+            return ((), (), None), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
     def _inputs(self, batch: ChunkColumns) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
         """The forward's token ids and each KV pool's attention batch: the host's share of a step, read off the
@@ -246,9 +304,38 @@ class Engine:
                 table.rows, table.cols))
         return made[1]
 
-    def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
-        ids, attn = self._inputs(batch)
-        logits, scored = self._forward_and_score(batch, ids, attn)
+    def _run(self, plan: Plan, drawn: list[int], inputs: _Inputs | None, ahead: Ahead | None) -> _Outcome:
+        """The forward and the sampling, with the pages advanced after them; where the host runs ahead of the
+        device, advanced and finished while the device computes (then `ahead`), and the tokens taken last."""
+        pending: ChunkColumns = plan.batch  # type: ignore[assignment]  # `step` made it columns
+        batch = pending.resolved(drawn) if drawn else pending
+        ids, attn = self._inputs(batch) if inputs is None else _with_tokens(inputs, pending, drawn)
+        launched = self._launch(batch, ids, attn)
+        if not self.runs_ahead:
+            sampled, scored = self._collect(batch, launched)
+            self.cache.advance_all(batch)
+            return sampled, scored, None
+        self.cache.advance_all(batch)
+        finished = self.cache.finish(plan)
+        if ahead is not None:
+            ahead(self._busy(launched))
+        try:
+            return *self._collect(batch, launched), finished
+        except Exception as exc:  # the pages moved on already: the report could not say where the rank stands
+            raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed after its pages were advanced, "
+                              f"taking the forward's results ({type(exc).__name__}: {exc})") from exc
+
+    def _launch(self, batch: ChunkColumns, ids: torch.Tensor, attn: dict[str, AttentionBatch]) -> Any:
+        """The forward, which a GPU runs while the host goes on: what `_collect` takes the tokens from."""
+        return self._forward_and_score(batch, ids, attn)
+
+    def _busy(self, launched: Any) -> Callable[[], float]:
+        """The forward's probe: how long to wait before asking again whether it still runs, 0 once done."""
+        return busy_probe(self.device)
+
+    def _collect(self, batch: ChunkColumns, launched: Any) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+        """The sampled tokens (the sampling rank's) and prompt scores of the forward `_launch` began."""
+        logits, scored = launched
         rows = [i for i, s in enumerate(batch.sample) if s]
         sampled: tuple[Sampled, ...] = ()
         if rows and self.comm.rank == SAMPLING_RANK:
@@ -258,7 +345,6 @@ class Engine:
                 [rids[i] for i in rows], params, [indexes[i] for i in rows]))
             sampled = tuple(Sampled(rids[i], t) for i, t in zip(rows, tokens, strict=True))
             sampled = _with_logprobs(sampled, logits[rows], [p.logprobs for p in params])
-        self.cache.advance_all(batch)
         return sampled, scored
 
     def _adjusted(self, batch: ChunkColumns, rows: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -295,6 +381,19 @@ class Engine:
             logits = self.model(ids, attn, self.kv, rows=torch.tensor(rows, device=ids.device))
         # the rows are the same on every rank (the LM head gathers them); only rank 0 scores them
         return logits[lasts], _prompt_scores(batch, logits, firsts) if self.comm.rank == 0 else ()
+
+
+def _with_tokens(inputs: _Inputs, batch: ChunkColumns, drawn: list[int]) -> _Inputs:
+    """Inputs built ahead, their pending chunks' tokens (placeholders then) filled in by `drawn`."""
+    ids, attn = inputs
+    rows = batch.pending()
+    if not rows:
+        return inputs
+    if len(rows) == len(ids):  # every chunk one pending token: the drawn tokens are the column
+        return long_tensor(ids, drawn), attn
+    at = rows if batch.one_token_each else [batch.offsets[i] for i in rows]
+    ids[long_tensor(ids, at)] = long_tensor(ids, drawn)
+    return ids, attn
 
 
 def _resolved(plan: Plan, drawn: list[int]) -> Plan:

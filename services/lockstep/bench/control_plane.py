@@ -76,6 +76,9 @@ class ControlPlaneConfig:
     overlap: bool = True  # plans built ahead of the last step's reports (the coordinator's default)
     frontends: bool = False  # the tokens go to an API frontend's link (--api-workers), not to in-process queues
     forward_ms: float = 0.0  # the ranks' forward takes this long (a sleep, as a host waits on its GPU); 0: no-op
+    # with a forward that takes time: the ranks prepare step k + 1 while their "device" runs step k, as a CUDA rank
+    # does (`Engine.runs_ahead`); off: the host waits for the forward where it begins, as on the CPU
+    prepare_ahead: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -311,12 +314,14 @@ class BenchRanks:
     """`tp` benchmark rank processes on free local ports, started once for several runs."""
 
     def __init__(self, tp: int, agreement: bool, kv_pages: int, max_model_len: int, page_size: int,
-                 prefix_caching: bool, work_dir: Path, cpus: tuple[int, ...] = (), forward_ms: float = 0.0) -> None:
+                 prefix_caching: bool, work_dir: Path, cpus: tuple[int, ...] = (), forward_ms: float = 0.0,
+                 prepare_ahead: bool = True) -> None:
         self.tp = tp
         self.work_dir = work_dir
         ports = [free_port() for _ in range(tp)]
         self.addresses = [f"127.0.0.1:{p}" for p in ports]
-        self.stats_paths = [work_dir / f"tp{tp}-{'agree' if agreement else 'noagree'}-rank{r}.json" for r in range(tp)]
+        name = f"tp{tp}-{'agree' if agreement else 'noagree'}-fwd{forward_ms:g}{'' if prepare_ahead else '-sync'}"
+        self.stats_paths = [work_dir / f"{name}-rank{r}.json" for r in range(tp)]
         rendezvous = f"127.0.0.1:{free_port()}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.procs: list[subprocess.Popen] = []
@@ -326,6 +331,7 @@ class BenchRanks:
                    "--kv-pages", str(kv_pages), "--max-model-len", str(max_model_len), "--vocab-size", str(VOCAB),
                    "--stats", str(self.stats_paths[r]), "--forward-ms", repr(forward_ms)]
             cmd += [] if agreement else ["--no-agreement"]
+            cmd += [] if prepare_ahead else ["--no-prepare-ahead"]
             cmd += [] if prefix_caching else ["--no-prefix-caching"]
             cmd += ["--cpu", str(cpus[r % len(cpus)])] if cpus else []
             with open(self.stats_paths[r].with_suffix(".log"), "wb") as out:
@@ -348,15 +354,15 @@ async def run_configs(configs: list[ControlPlaneConfig], work_dir: Path, profile
     """Every run, grouped by (TP, agreement) so one set of ranks serves all its batches; with `profile`, the
     coordinator is profiled during the steady steps of the first group's largest batch. With `rank_cpus`, rank r
     runs on core rank_cpus[r % len] (shared when there are more ranks than cores)."""
-    groups: dict[tuple[int, bool, float], list[ControlPlaneConfig]] = {}
+    groups: dict[tuple[int, bool, float, bool], list[ControlPlaneConfig]] = {}
     for cfg in configs:
-        groups.setdefault((cfg.tp, cfg.agreement, cfg.forward_ms), []).append(cfg)
+        groups.setdefault((cfg.tp, cfg.agreement, cfg.forward_ms, cfg.prepare_ahead), []).append(cfg)
     runs: list[RunRaw] = []
     profiler = cProfile.Profile() if profile else None
-    for (tp, agreement, forward_ms), cfgs in groups.items():
+    for (tp, agreement, forward_ms, prepare_ahead), cfgs in groups.items():
         big = max(cfgs, key=lambda c: c.kv_pages)
         ranks = BenchRanks(tp, agreement, big.kv_pages, max(c.max_model_len for c in cfgs), big.page_size,
-                           big.prefix_caching, work_dir, rank_cpus, forward_ms)
+                           big.prefix_caching, work_dir, rank_cpus, forward_ms, prepare_ahead)
         mine: list[RunRaw] = []
         try:
             for cfg in cfgs:

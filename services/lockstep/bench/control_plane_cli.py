@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None, prog: str = "bench_control_plane.py") -> 
     p.add_argument("--forward-ms", type=float, default=0.0,
                    help="the ranks' forward takes this long, as a GPU's would (the host sleeps, as it waits on the "
                         "device); 0: no-op. What the total adds to it is what the forward does not hide")
+    p.add_argument("--prepare-ahead", choices=("on", "off", "both"), default="on",
+                   help="with --forward-ms: the ranks prepare the next step while the forward runs, as a CUDA rank "
+                        "does (off: the host waits for the forward where it begins, as on the CPU); both: a run each")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also cProfile the coordinator in an extra run (first TP, largest batch) and print its "
                         "top N functions by own time")
@@ -75,8 +78,9 @@ def configs(args: argparse.Namespace) -> list[ControlPlaneConfig]:
                                min_prompt=args.min_prompt, max_prompt=args.max_prompt, page_size=args.page_size,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                prefix_caching=not args.no_prefix_caching, overlap=overlap, frontends=fe,
-                               forward_ms=args.forward_ms)
+                               forward_ms=args.forward_ms, prepare_ahead=ahead)
             for tp in args.tp for agree in (modes[args.agreement] if tp > 1 else (True,))
+            for ahead in (modes[args.prepare_ahead] if args.forward_ms else (True,))
             for overlap in modes[args.overlap] for fe in modes[args.frontends] for b in args.batch]
 
 

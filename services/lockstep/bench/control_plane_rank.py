@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from lockstep.chunk_columns import ChunkColumns
-from lockstep.engine import Engine
+from lockstep.engine import Ahead, Engine
 from lockstep.kv.allocator import PagePool
 from lockstep.kv.page_keys import key_salt
 from lockstep.kv.paging import POOL_FULL
@@ -61,10 +61,10 @@ class NoopForwardEngine(Engine):
     """The serving `Engine` (its `__init__` and `step`: prepare, agreement, forward, advance, finish) with a forward
     that runs no model.
 
-    Subclassing keeps the step protocol's host-side order exactly the serving engine's; only `_run`, the
-    forward and sampling, is replaced by a token per sampling chunk that only the request and its index decide
-    (from its per-draw seed, `draw_seeds`, where the real sampler would derive one), so every rank returns
-    the same id and none is EOS.
+    Subclassing keeps the step protocol's host-side order exactly the serving engine's; only `_launch` and
+    `_collect`, the forward and sampling, are replaced by a token per sampling chunk that only the request and
+    its index decide (from its per-draw seed, `draw_seeds`, where the real sampler would derive one), so every
+    rank returns the same id and none is EOS.
     `agreement=False` skips the group's all-reduce, to tell its cost from the rest at TP > 1.
     """
 
@@ -72,8 +72,10 @@ class NoopForwardEngine(Engine):
         super().__init__(None, kv, cache, comm, config, MODEL_ID)  # type: ignore[arg-type]  # no model: `_run` needs none
         self.agreement = agreement
         self.forward_s = 0.0  # `--forward-ms`: how long the forward takes (a sleep: the host waiting on its GPU)
+        self.runs_ahead = False  # a "device" that computes while the host goes on: set with a forward that takes time
         self.began: dict[int, float] = {}  # perf_counter at which each step's engine work began, and ended
         self.ended: dict[int, float] = {}
+        self.staged_steps: list[int] = []  # the steps prepared ahead, during the forward of the step before
 
     @classmethod
     def build(cls, rank: int, world_size: int, rendezvous: str, page_size: int, kv_pages: int, vocab_size: int,
@@ -91,13 +93,17 @@ class NoopForwardEngine(Engine):
                           max_model_len, prefix_caching, rank)
         return cls(kv, cache, comm, config, agreement)
 
-    def step(self, plan: Plan) -> Report:
+    def step(self, plan: Plan, ahead: Ahead | None = None) -> Report:
         """The serving engine's step, timed from the rank's step thread: between two steps that thread waits for
         the next plan and does the rank service's bookkeeping, nothing else (`rank gap`)."""
         began = time.perf_counter()
-        report = super().step(plan)
+        report = super().step(plan, ahead)
         self.began[plan.step], self.ended[plan.step] = began, time.perf_counter()
         return report
+
+    def stage(self, plan: Plan) -> None:
+        self.staged_steps.append(plan.step)
+        super().stage(plan)
 
     def _pending_tokens(self, plan: Plan, error: str) -> tuple[list[int], str]:
         if self.agreement:
@@ -119,16 +125,24 @@ class NoopForwardEngine(Engine):
         span = self.config.vocab_size - FIRST_TOKEN
         return [FIRST_TOKEN + seed % span for seed in draw_seeds(bases, indexes)]
 
-    def _run(self, batch: ChunkColumns) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
-        self._inputs(batch)  # the forward's inputs and decode gathers, built as for a model: the host's share
-        if self.forward_s:  # the device's share, waited for with the GIL free, as a CUDA sync waits
-            time.sleep(self.forward_s)
+    def _launch(self, batch: ChunkColumns, ids: torch.Tensor, attn: dict[str, Any]) -> float:
+        """The forward begins on the "device": when it will be done (`forward_s` from now)."""
+        return time.perf_counter() + self.forward_s
+
+    def _busy(self, ready_at: float) -> Callable[[], float]:
+        return lambda: max(0.0, ready_at - time.perf_counter())
+
+    def _collect(self, batch: ChunkColumns, ready_at: float) -> tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...]]:
+        """The forward's tokens, once it is done: waited for with the GIL free, as a CUDA sync waits; with
+        `runs_ahead`, the host's work since `_launch` (this step's advance and finish, the next step's prepare and
+        inputs) ran meanwhile, as on a GPU."""
+        wait = ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         rows = [i for i, go in enumerate(batch.sample) if go]
         rids = [batch.request_ids[i] for i in rows]
         tokens = self._draws(rids, [batch.sampling[i] for i in rows], [batch.sample_index[i] for i in rows])
-        sampled = tuple(Sampled(rid, t) for rid, t in zip(rids, tokens, strict=True))
-        self.cache.advance_all(batch)
-        return sampled, ()
+        return tuple(Sampled(rid, t) for rid, t in zip(rids, tokens, strict=True)), ()
 
 
 class WireTimes:
@@ -173,6 +187,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", type=int, help="run on this core alone (the benchmark's --split-cores)")
     p.add_argument("--stats", type=Path, required=True, help="write the per-step wire times and final state here")
     p.add_argument("--forward-ms", type=float, default=0.0, help="the forward takes this long (a sleep, as on a GPU)")
+    p.add_argument("--no-prepare-ahead", action="store_true",
+                   help="with --forward-ms: wait for the forward where it begins (as on the CPU), preparing nothing "
+                        "of the next step meanwhile")
     return p.parse_args(argv)
 
 
@@ -193,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                                args.vocab_size, args.max_model_len, c.prefix_caching,
                                                not args.no_agreement))
         engines[0].forward_s = args.forward_ms / 1e3
+        engines[0].runs_ahead = args.forward_ms > 0 and not args.no_prepare_ahead
         return engines[0]
 
     wire_times = WireTimes()
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                              "report_s": wire_times.report_s, "cpus": cpus}
     if engines:
         state["step_began"], state["step_ended"] = engines[0].began, engines[0].ended
+        state["staged"] = engines[0].staged_steps
         cache = engines[0].cache
         try:
             cache.check()

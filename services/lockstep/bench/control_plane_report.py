@@ -69,6 +69,14 @@ def _rank_gap(step: int, stats: list[dict[str, Any]]) -> float:
     return min(gaps, default=0.0)
 
 
+def _prepared_ahead(raw: RunRaw) -> float:
+    """The share of the measured steps that every rank prepared during the forward of the step before."""
+    steady = [i for i, s in enumerate(raw.steady) if s][raw.config.warmup:raw.config.warmup + raw.config.steps]
+    staged = [set(own.get("staged", ())) for own in raw.rank_stats]
+    ahead = [i for i in steady if all(raw.reports[i][0].step in s for s in staged)]
+    return len(ahead) / len(steady) if steady else 0.0
+
+
 def step_parts(raw: RunRaw) -> dict[str, list[float]]:
     """Seconds of every part of each measured step: the steady decode steps after the warmup, at most `steps`."""
     steady = [i for i, s in enumerate(raw.steady) if s]
@@ -95,7 +103,8 @@ def summarize(raw: RunRaw) -> dict[str, Any]:
     parts = step_parts(raw)
     return {
         "tp": cfg.tp, "agreement": cfg.agreement, "overlap": cfg.overlap, "frontends": cfg.frontends,
-        "forward_ms": cfg.forward_ms,
+        "forward_ms": cfg.forward_ms, "prepare_ahead": cfg.prepare_ahead,
+        "prepared_ahead": _prepared_ahead(raw),
         "batch": cfg.batch,
         "measured_steps": len(parts["total"]),
         "steps_run": len(raw.timings), "max_tokens": cfg.max_tokens, "wall_s": raw.wall_s,
@@ -112,6 +121,7 @@ def _label(row: dict[str, Any]) -> str:
     overlap = "overlap" if row.get("overlap", True) else "no overlap"
     overlap += " +fe" if row.get("frontends") else ""
     overlap += f" fwd {row['forward_ms']:g}" if row.get("forward_ms") else ""
+    overlap += "" if row.get("prepare_ahead", True) else " sync"
     return f"TP {row['tp']} {agree:9} {overlap:14} batch {row['batch']:>4}"
 
 
@@ -150,7 +160,9 @@ def _anchors(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  target total <= {TARGET_TOTAL_MS:g} ms at batch {TARGET_BATCH}"
                          f"{f' beyond a {forward:g} ms forward' if forward else ''}, {_name(row)}:"
                          f" p50 {total:.3f} ms ({verdict}); exposed p50 {exposed:.3f} ms; the ranks spent p50"
-                         f" {gap:.3f} ms between steps (waiting for the next plan)")
+                         f" {gap:.3f} ms between steps (waiting for the next plan)"
+                         + (f"; {row['prepared_ahead']:.0%} of the steps prepared during the forward before"
+                            if forward and row.get("prepare_ahead", True) else ""))
     bad = [r for r in rows if r["completed"] != r["batch"] or any(r["final_used_pages"])]
     for r in bad:
         lines.append(f"  WARNING {_name(r)}: {r['completed']}/{r['batch']} requests completed, "

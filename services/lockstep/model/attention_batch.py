@@ -18,7 +18,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from lockstep.device import attention_call_tokens
+from lockstep.device import attention_call_tokens, to_device
 from lockstep.kv.paging import first_page, pages_for
 from lockstep.model.decode_masks import DecodeMasks, pattern_span
 
@@ -265,7 +265,7 @@ def long_tensor(where: torch.device | str | torch.Tensor, values: list[int]) -> 
     array: torch.tensor of a list of ints costs 3x more, and a step's page tables hold tens of thousands."""
     device = torch.device(where.device if isinstance(where, torch.Tensor) else where)
     host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-    return host if device.type == "cpu" else host.to(device)
+    return to_device(host, device)
 
 
 def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -273,7 +273,7 @@ def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[to
     device = torch.device(device)
     if device.type == "cpu":
         return parts
-    flat = torch.cat([p.reshape(-1) for p in parts]).to(device)
+    flat = to_device(torch.cat([p.reshape(-1) for p in parts]), device)
     out, at = [], 0
     for p in parts:
         out.append(flat[at:at + p.numel()].view(p.shape))

@@ -9,6 +9,9 @@ protocol's delivery rules live:
   (grpc's sync server sends each report before it asks the handler for the next), and none starts once
   the stream broke; that thread only runs steps: plan k+1 is parsed by the thread that reads it, and report
   k serialized by the handler that sends it, both while step k+1 (or k) runs;
+- an engine whose device runs ahead of the host (`Engine.stage`) prepares plan k+1 during step k's forward
+  once it has arrived; from then on plan k+1 counts as started (`last_step`), so it runs even if a newer
+  stream takes over, and `close` waits for it too;
 - every plan gets exactly one report, even a refused one, so the coordinator's agreement wait
   always ends;
 - a plan delivered twice (a coordinator that resends after a reconnect) is answered again from
@@ -85,6 +88,8 @@ class _Stream:
     def __init__(self, coordinator: str = "", peer: str = "") -> None:
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.next: Any = None  # the inbox's next item, taken out early to be prepared ahead
+        self.staged: Plan | None = None  # a plan the engine prepared ahead: started, so it runs whatever comes
         self.end: tuple[grpc.StatusCode, str] | None = None
         self.coordinator, self.peer = coordinator, peer
         self.since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -92,6 +97,20 @@ class _Stream:
 
     def live(self) -> bool:
         return self.end is None and self.reading
+
+    def take(self) -> Any:
+        """The next item in plan order: the one taken out early, if any, else the inbox's next."""
+        item, self.next = self.next, None
+        return self.inbox.get() if item is None else item
+
+    def peek(self, wait_s: float = 0.0) -> Any:
+        """The next item if it arrives within `wait_s`, left in its turn; None if none has."""
+        if self.next is None:
+            try:
+                self.next = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return None
+        return self.next
 
     def stop(self, code: grpc.StatusCode, details: str) -> None:
         self.end = (code, details)
@@ -170,8 +189,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             current, self._current = self._current, None
         if current is not None:
             current.stop(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
-        with self._execute_lock:  # wait for the step in flight, if any
-            pass
+        while True:  # wait for the step in flight, if any, and the one prepared ahead of it
+            with self._execute_lock:
+                if current is None or current.staged is None:
+                    return
+            time.sleep(0.001)
 
     def execute(self, plan: Plan) -> Report:
         """Carry out one plan under the delivery rules above; always returns its report."""
@@ -181,8 +203,9 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     def _execute(self, plan: Plan, stream: _Stream | None = None) -> Report:
         try:
             return self._gate.deliver(plan, lambda p: self._run(p, stream), self._refuse)
-        finally:
-            self._in_flight = None  # only once the gate holds the plan as the last one carried out
+        finally:  # only once the gate holds the plan as the last one carried out; a plan prepared ahead is started
+            staged = stream.staged if stream is not None else None
+            self._in_flight = staged.step if staged is not None else None
 
     def _run(self, plan: Plan, stream: _Stream | None = None) -> Report:
         """The engine's step; an exception becomes the report's error. The report carries this call's time.
@@ -191,11 +214,16 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         `last_step` (read under it) then either counts this plan or a newer stream has made sure it never runs."""
         t0 = time.perf_counter()
         with self._streams_lock:
-            if stream is not None and stream.end is not None:
+            staged = stream is not None and plan is stream.staged
+            if stream is not None and stream.end is not None and not staged:
                 raise _Superseded()
+            if staged:
+                stream.staged = None
             self._in_flight = plan.step
         try:
-            report = self._engine.step(plan)
+            stage = getattr(self._engine, "stage", None) if stream is not None else None
+            report = (self._engine.step(plan, lambda busy: self._stage_next(stream, plan, busy)) if stage is not None
+                      else self._engine.step(plan))
             if report.step != plan.step or report.rank != self.rank:
                 raise RuntimeError(
                     f"engine answered plan {plan.step} with a report of step {report.step}"
@@ -207,6 +235,26 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             if isinstance(e, GroupBroken) and self._on_fatal is not None:
                 self._on_fatal(str(e))
         return replace(report, timings=replace(report.timings, rank_step_s=time.perf_counter() - t0))
+
+    def _stage_next(self, stream: _Stream, current: Plan, busy: Callable[[], float]) -> None:
+        """Called by the engine while the device runs `current`'s forward: the stream's next plan, once it
+        arrives while the forward still runs (`busy`: how long to wait before asking it again, 0 once done), is
+        the step after, is prepared now (`stage`), and from here on counts as started (`last_step` says so, and it
+        runs even if a newer stream takes over): its prepare cannot be taken back."""
+        try:
+            plan = stream.peek()
+            while plan is None and (wait := busy()) > 0:
+                plan = stream.peek(wait)
+            if not isinstance(plan, Plan) or plan.step != current.step + 1:
+                return
+            with self._streams_lock:
+                if stream.end is not None:
+                    return
+                stream.staged = plan
+                self._in_flight = plan.step
+            self._engine.stage(plan)  # type: ignore[union-attr]  # `_run` asks only an engine that has it
+        except Exception:  # the engine prepares it in its step instead; the step in flight goes on
+            log.exception("rank %d: preparing step %d ahead failed", self.rank, current.step + 1)
 
     def _refuse(self, plan: Plan | _BadPlan, why: str) -> Report:
         """Answer a plan without running it. In a group of several ranks the peers may be running it, and
@@ -294,8 +342,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         """The stream's plans, carried out one after the other; their reports, then a marker, go to the outbox."""
         try:
             while True:
-                item = stream.inbox.get()
-                if stream.end is not None:
+                item = stream.take()
+                if stream.end is not None and item is not stream.staged:
                     stream.outbox.put(_Stream._ABORT)
                     return
                 if item is _Stream._EOF:
@@ -315,8 +363,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if isinstance(plan, _BadPlan):
             return self._refuse(plan, f"bad plan: {plan.error}")
         with self._execute_lock:
-            if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
-                raise _Superseded()
+            if stream.end is not None and plan is not stream.staged:  # superseded while waiting: the newer
+                raise _Superseded()  # stream owns the rank now
             return self._execute(plan, stream)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.RankInfo:

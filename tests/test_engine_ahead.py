@@ -1,0 +1,117 @@
+"""A rank whose device runs ahead of its host (CUDA) prepares step k + 1 while step k's forward runs
+(`Engine.stage`, called from the `ahead` hook): the same tokens, the same reports and the same pages as a rank
+that prepares each step in its turn. Here on the CPU with `runs_ahead` forced on: the order of the host's work
+is what changes, and it is what these tests hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from checkpoints import random_prompt as prompt
+from lockstep.engine import Engine
+from lockstep.engine_config import EngineConfig
+from lockstep.steps import PENDING_TOKEN, Admit, Chunk, GroupBroken, Plan, Report, SamplingParams
+
+PS = 16
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama):
+    torch.set_num_threads(2)
+    return str(tiny_llama)
+
+
+def _engine(checkpoint: str, ahead: bool, kv_pages: int = 64) -> Engine:
+    engine = Engine.create(EngineConfig(checkpoint, page_size=PS, kv_pages=kv_pages))
+    engine.runs_ahead = ahead
+    return engine
+
+
+def _plans() -> list[Plan]:
+    """Overlap's plans: a's prefill, then decodes that name the token of the step before (pending), b admitted
+    and prefilled beside them (a step that mixes a prompt chunk and pending tokens), a released early."""
+    a, b = prompt(1, 21), prompt(2, 37)
+    plans = [Plan(0, admits=(Admit("a"),), batch=(Chunk("a", tuple(a), 0, True, SEEDED, 0),))]
+    for i in range(1, 7):
+        batch = [Chunk("a", (PENDING_TOKEN,), len(a) + i - 1, True, SEEDED, i)] if i < 5 else []
+        admits: tuple[Admit, ...] = ()
+        if i == 2:
+            admits, batch = (Admit("b"),), [Chunk("b", tuple(b), 0, True, GREEDY, 0), *batch]  # a's token after b's
+        elif i > 2:
+            batch.append(Chunk("b", (PENDING_TOKEN,), len(b) + i - 3, True, GREEDY, i - 2))
+        plans.append(Plan(i, admits=admits, batch=tuple(batch), releases=("a",) if i == 6 else ()))
+    plans.append(Plan(7, releases=("b",)))
+    return plans
+
+
+def _drive(engine: Engine, plans: list[Plan]) -> tuple[list[Report], list[int]]:
+    """Every plan in order; each step's `ahead` stages the next plan, as the rank service does. Returns the
+    reports (timings zeroed) and the steps staged."""
+    staged: list[int] = []
+    reports = []
+    for k, plan in enumerate(plans):
+        after = plans[k + 1] if k + 1 < len(plans) else None
+
+        def ahead(busy: object, after: Plan | None = after) -> None:
+            if after is not None:
+                staged.append(after.step)
+                engine.stage(after)
+
+        report = engine.step(plan, ahead)
+        assert not report.error, report.error
+        reports.append(dataclasses.replace(report, timings=type(report.timings)()))
+    engine.cache.check()
+    return reports, staged
+
+
+def test_preparing_ahead_changes_no_token_no_report_and_no_page(checkpoint):
+    plans = _plans()
+    in_turn, none = _drive(_engine(checkpoint, ahead=False), plans)
+    ahead_engine = _engine(checkpoint, ahead=True)
+    ahead, staged = _drive(ahead_engine, plans)
+    assert none == [] and staged == [1, 2, 3, 4, 5, 6, 7]  # during every step with a forward (0 to 6)
+    assert ahead == in_turn
+    assert [len(r.sampled) for r in ahead[1:6]] == [1, 2, 2, 2, 1]
+    assert ahead[-1].pools[0].used == 0 and ahead_engine.cache.pool.owners() == []
+
+
+def test_a_step_prepared_ahead_that_this_rank_refuses_is_refused_in_its_turn(checkpoint):
+    engine = _engine(checkpoint, ahead=True)
+    p = tuple(prompt(3, 20))
+    first = Plan(0, admits=(Admit("c"),), batch=(Chunk("c", p, 0, True, GREEDY, 0),))
+    twice = Plan(1, admits=(Admit("c"),), batch=(Chunk("c", (PENDING_TOKEN,), len(p), True, GREEDY, 1),))
+    assert not engine.step(first, lambda busy: engine.stage(twice)).error
+    refused = engine.step(twice)
+    assert "admitted twice" in refused.error or "already" in refused.error, refused.error
+    assert refused.sampled == () and refused.pools[0].used == 2  # c keeps its pages; nothing of step 1 stays
+    engine.cache.check()
+
+
+def test_a_plan_other_than_the_one_prepared_ahead_breaks_the_rank(checkpoint):
+    """Its prepare is done and cannot be taken back; carrying out another plan on top would leave pages no plan
+    accounts for."""
+    engine = _engine(checkpoint, ahead=True)
+    p = tuple(prompt(4, 20))
+    plans = [Plan(0, admits=(Admit("d"),), batch=(Chunk("d", p, 0, True, GREEDY, 0),)),
+             Plan(1, batch=(Chunk("d", (PENDING_TOKEN,), len(p), True, GREEDY, 1),))]
+    engine.step(plans[0], lambda busy: engine.stage(plans[1]))
+    with pytest.raises(GroupBroken, match="step 1 was prepared ahead"):
+        engine.step(dataclasses.replace(plans[1]))
+
+
+def test_a_failure_taking_the_tokens_after_the_pages_moved_breaks_the_rank_even_alone(checkpoint, monkeypatch):
+    """Before the pages are advanced a failed forward is a refused step (TP 1); after, the report could not say
+    what the rank holds, so the rank goes (GroupBroken) instead of refusing a step it half carried out."""
+    engine = _engine(checkpoint, ahead=True)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the device reported a fault")
+
+    monkeypatch.setattr(engine, "_collect", broken)
+    with pytest.raises(GroupBroken, match="after its pages were advanced"):
+        engine.step(Plan(0, admits=(Admit("e"),), batch=(Chunk("e", tuple(prompt(5, 20)), 0, True, GREEDY, 0),)))
