@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lockstep.coordinator.admission import (
     DEFERRAL_REASONS,
@@ -135,6 +137,43 @@ def test_grow_in_page_takes_a_decode_exactly_as_grow_does_or_leaves_it_to_grow(c
                     fast.grow(c_at, 1)
                 assert (fast.tokens_left, fast.headroom) == (slow.tokens_left, slow.headroom)
                 assert took == (tokens > 0 and c_at % PS != 0 and free >= charged)
+
+
+def _grow_by_pages(c: AdmissionControl, num_computed: int, num_tokens: int) -> int:
+    """`AdmissionControl.grow` stated plainly: every chunk that may take a page counts the pages per rank."""
+    n = min(num_tokens, c.tokens_left, c.chunk_tokens)
+    if n <= 0:
+        return 0
+    if pages_for(num_computed + n, PS) == pages_for(num_computed, PS) and not any(
+            h < 0 for room in c.room.values() for h in room):
+        c.tokens_left -= n
+        return n
+    n = min(n, (pages_for(num_computed, PS) + min(c.headroom)) * PS - num_computed)
+    if n <= 0:
+        return 0
+    c.take([growth_pages(num_computed, n, PS)] * c.ranks, n)
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(rooms=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=3),
+       charged=st.tuples(st.integers(0, 4), st.integers(0, 4)), tokens=st.integers(0, 3),
+       grows=st.lists(st.tuples(st.integers(0, 4 * PS), st.integers(1, 2 * PS)), min_size=1, max_size=8))
+def test_grow_takes_what_counting_pages_per_rank_takes(rooms, charged, tokens, grows):
+    """grow's shortcuts (a chunk within held pages; a decode into a new page, one page everywhere) take exactly
+    what counting pages per rank and pool takes, over ranks and pools that differ, overdrawn ones included."""
+    def build() -> AdmissionControl:
+        reports = [Report(step=0, rank=r, pools=(PoolState("full", 10, full, 0, 10 - full),
+                                                 PoolState("sliding", 10, sliding, 0, 10 - sliding)))
+                   for r, (full, sliding) in enumerate(rooms)]
+        c = AdmissionControl(reports, PS, 8, tokens, 0)
+        c.charge({"full": [charged[0]] * len(rooms), "sliding": [charged[1]] * len(rooms)})
+        return c
+
+    fast, plain = build(), build()
+    for num_computed, num_tokens in grows:
+        assert fast.grow(num_computed, num_tokens) == _grow_by_pages(plain, num_computed, num_tokens)
+        assert (fast.room, fast.tokens_left, fast.spent()) == (plain.room, plain.tokens_left, plain.spent())
 
 
 @pytest.mark.parametrize(

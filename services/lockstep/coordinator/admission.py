@@ -157,12 +157,26 @@ class AdmissionControl:
         if -(-(num_computed + n) // ps) == -(-num_computed // ps) and not self._overdrawn:
             self.tokens_left -= n  # within the pages it holds (most decodes): nothing to count per rank
             return n
+        if n == 1 and num_computed % ps == 0:
+            return self._grow_into_page()
         pages = min(self.headroom)
         n = min(n, (pages_for(num_computed, self.page_size) + pages) * self.page_size - num_computed)
         if n <= 0:
             return 0
         self.take([growth_pages(num_computed, n, self.page_size)] * self.ranks, n)
         return n
+
+    def _grow_into_page(self) -> int:
+        """`grow` of a decode whose position starts a new page (one decode in page_size): one page on every rank
+        of every pool, or nothing; what the general case comes to, without its per-rank lists (3.7 against
+        1 us, and a plan at batch 256 of 16-token pages has some 16 of them)."""
+        room = self.room
+        if min(map(min, room.values())) <= 0:
+            return 0
+        for name, pages in room.items():
+            room[name] = [h - 1 for h in pages]
+        self.tokens_left -= 1
+        return 1
 
     def grow_in_page(self, num_computed: int) -> bool:
         """`grow(num_computed, 1) == 1` where that takes no page: a decode whose position lies in a page the request
