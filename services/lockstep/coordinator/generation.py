@@ -69,7 +69,7 @@ class TokenEvent:
     status: int = 503  # of an error: < 500 means the request itself can never be served
     logprobs: TokenLogprobs | None = None  # the token's, when the request asked for logprobs
     # with the first token of a request that asked for prompt logprobs: entry i is prompt token i + 1's
-    prompt_logprobs: Sequence[TokenLogprobs] | None = None
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None  # request_events.token_out builds it by position
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,12 @@ handler in the coordinator's process reads through `RequestEvents`, or a fronten
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Protocol, TypeVar
 
 from lockstep.coordinator.generation import TokenEvent
 from lockstep.coordinator.outbox import Outbox
+from lockstep.steps import TokenLogprobs
 
 T = TypeVar("T")
 
@@ -20,6 +21,13 @@ T = TypeVar("T")
 async def settled(answer: T | Awaitable[T]) -> T:
     """A frontend's answer: as it is in process, awaited when it comes over the link."""
     return await answer if inspect.isawaitable(answer) else answer
+
+
+def token_out(token_id: int, cached_tokens: int, logprobs: TokenLogprobs | None,
+              prompt_logprobs: Sequence[TokenLogprobs] | None) -> TokenEvent:
+    """A token for its client. Built with positional arguments, in TokenEvent's field order (generation.py; the
+    dispatch builds one per running request each step, and keywords cost more: 0.26 against 0.14 us)."""
+    return TokenEvent(token_id, None, cached_tokens, "", 503, logprobs, prompt_logprobs)
 
 
 class EventSink(Protocol):

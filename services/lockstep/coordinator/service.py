@@ -23,7 +23,7 @@ from lockstep.coordinator.metrics import REJECTION_REASONS, Metrics, forget_grou
 from lockstep.coordinator.outbox import Outbox
 from lockstep.coordinator.rebalance import Rebalancer
 from lockstep.coordinator.request import FinishReason, Request
-from lockstep.coordinator.request_events import EventSink, RequestEvents
+from lockstep.coordinator.request_events import EventSink, RequestEvents, token_out
 from lockstep.coordinator.routing import GroupLoad, PrefixRouter, Route, RoutingPolicy
 from lockstep.coordinator.scheduler import Scheduler
 from lockstep.kv.page_keys import key_salt, page_keys
@@ -403,11 +403,12 @@ class Coordinator:
         now = time.monotonic()
         gaps: Counter[float] = Counter()  # by the previous token's time: how many tokens came after it
         tokens = 0
+        find, token = self.live.get, EventKind.TOKEN  # looked up once, not per event
         for ev in events:
-            live = self.live.get(ev.request_id)
+            live = find(ev.request_id)
             if live is None:
                 continue
-            if ev.kind == EventKind.TOKEN:
+            if ev.kind == token:
                 if live.last_token_at is None:
                     self.metrics.ttft.labels(group).observe(now - live.arrived)
                     self._settle_expectation(group, live)
@@ -415,8 +416,7 @@ class Coordinator:
                     gaps[live.last_token_at] += 1
                 live.last_token_at = now
                 tokens += 1
-                live.queue.put(TokenEvent(ev.token_id, None, live.request.cached_tokens, logprobs=ev.logprobs,
-                                          prompt_logprobs=ev.prompt_logprobs))
+                live.queue.put(token_out(ev.token_id, live.request.cached_tokens, ev.logprobs, ev.prompt_logprobs))
             elif ev.kind == EventKind.FINISHED:
                 cached = live.request.cached_tokens
                 if ev.finish_reason == FinishReason.ERROR:
