@@ -27,8 +27,9 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
     holds what that plan takes already); None when some request could not grow, since only a plan built
     from the reports may preempt.
 
-    Most of them are a decode of the token the plan in flight samples, within the pages the request holds: those
-    are gathered in runs and appended as columns (`extend_pending`), a few list operations a run."""
+    Most of them are a decode of the token the plan in flight samples (within the pages the request holds, or into
+    a new one): those are gathered in runs, appended as columns (`extend_pending`) before any other chunk is and at
+    the end, a few list operations a run and one run in a plain decode step."""
     cols = ChunkColumns.of(in_flight.batch)
     flying = dict(zip(cols.request_ids, zip(map(operator.add, cols.starts, cols.token_counts), cols.sample,
                                             strict=True), strict=True))  # where each leaves its request
@@ -48,16 +49,19 @@ def chunks_ahead(running: Sequence[Request], in_flight: Plan, control: Admission
                 samplings.append(req.sampling)
                 indexes.append(generated + 1)
                 continue
-        if ids:
-            batch.extend_pending(ids, starts, samplings, indexes)
-            ids, starts, samplings, indexes = [], [], [], []
         left = req.num_tokens + pending - start
         if left <= 0:
             continue
         n = control.grow(start, left)
-        if pending and n == 1 and start == req.num_tokens:  # the token the plan in flight samples
-            batch.extend_pending([rid], [start], [req.sampling], [generated + 1])
+        if pending and n == 1 and start == req.num_tokens:  # the token the plan in flight samples, pages counted
+            ids.append(rid)
+            starts.append(start)
+            samplings.append(req.sampling)
+            indexes.append(generated + 1)
         elif n:
+            if ids:
+                batch.extend_pending(ids, starts, samplings, indexes)
+                ids, starts, samplings, indexes = [], [], [], []
             batch.append(req.chunk(n, start, pending))
         elif control.tokens_left > 0:
             return None
