@@ -61,9 +61,11 @@ def busy_probe(device: torch.device) -> Callable[[], float]:
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting on it: on CUDA through pinned memory, non-blocking (a blocking
     copy first waits for every kernel queued before it, so a rank preparing its next step would stall until this
-    step's forward ends). On the CPU, the tensor itself."""
+    step's forward ends). On the CPU, the tensor itself; elsewhere (the tests' meta device) a plain copy."""
     if device.type == "cpu":
         return host
+    if device.type != "cuda":
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
