@@ -402,3 +402,44 @@ def test_once_the_forward_is_done_the_step_waits_for_no_plan(staging):
     assert report_from_proto(next(reports)).step == 0  # no plan 1 came: the report went without waiting
     plans.send(1)
     assert report_from_proto(next(reports)).step == 1 and engine.staged == []
+
+
+def test_a_newer_streams_first_plan_waits_for_the_plan_prepared_ahead_of_the_older_one(staging):
+    """The newer coordinator reads last_step 1 and sends step 2 at once, while the older stream's step 0 is still
+    in its forward: step 2 must run after the older stream's step 1 (prepared ahead, started), not be refused as
+    out of order because it took the engine first (in a group, a refusal breaks it)."""
+    engine, servicer, plans, context, reports = staging
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    assert servicer.last_step == 1
+    newer_plans.send(2)
+    time.sleep(0.2)  # the newer stream's plan 2 waits for the engine behind step 0
+    engine.gate.set()
+    asking.join(10)
+    taking.join(10)
+    assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+    second = report_from_proto(taken[0])
+    assert second.step == 2 and not second.error, second.error
+    assert engine.executed == [0, 1, 2]
+    newer_context.end()
+
+
+def test_a_closing_servicer_waits_for_the_plan_prepared_ahead_by_a_superseded_stream(staging):
+    """close() ends the current stream; the older one it superseded still has step 1 prepared ahead (started):
+    close returns only once that has run too, not as soon as step 0 lets go of the engine."""
+    engine, servicer, plans, context, reports = staging
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    closing = threading.Thread(target=servicer.close)
+    closing.start()
+    time.sleep(0.2)
+    engine.gate.set()
+    closing.join(10)
+    assert not closing.is_alive() and engine.executed == [0, 1]
+    newer_context.end()

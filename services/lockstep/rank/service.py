@@ -189,11 +189,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             current, self._current = self._current, None
         if current is not None:
             current.stop(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
-        while True:  # wait for the step in flight, if any, and the one prepared ahead of it
-            with self._execute_lock:
-                if current is None or current.staged is None:
-                    return
-            time.sleep(0.001)
+        with self._execute_lock:  # wait for the step in flight, if any, and any prepared ahead (under one hold)
+            pass
 
     def execute(self, plan: Plan) -> Report:
         """Carry out one plan under the delivery rules above; always returns its report."""
@@ -365,7 +362,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         with self._execute_lock:
             if stream.end is not None and plan is not stream.staged:  # superseded while waiting: the newer
                 raise _Superseded()  # stream owns the rank now
-            return self._execute(plan, stream)
+            report = self._execute(plan, stream)
+            while stream.staged is not None:  # started: it runs next, before a newer stream's plan takes the lock
+                stream.outbox.put(report)
+                report = self._execute(stream.take(), stream)
+            return report
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.RankInfo:
         if self._engine is None:
