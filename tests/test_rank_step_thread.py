@@ -443,3 +443,32 @@ def test_a_closing_servicer_waits_for_the_plan_prepared_ahead_by_a_superseded_st
     closing.join(10)
     assert not closing.is_alive() and engine.executed == [0, 1]
     newer_context.end()
+
+
+def test_a_rank_of_several_torch_threads_prepares_ahead_on_its_engine_thread():
+    """`lockstep rank` with --threads > 1 (the default on a GPU host: cores / world size) runs each step on its
+    engine thread (rank/main.py's _OnEngineThread): plan 1 is prepared there during step 0's forward too,
+    not silently never, and an engine without `stage` is still stepped with the plan alone."""
+    from lockstep.rank.main import EngineThread, _OnEngineThread
+
+    engine = StagingEngine()
+    stagers: list[str] = []
+    stage = engine.stage
+    engine.stage = lambda plan: (stagers.append(threading.current_thread().name), stage(plan))  # type: ignore
+    on_thread = _OnEngineThread(engine, EngineThread())
+    servicer = RankServicer(0, on_thread)
+    plans, context = Plans(), FakeContext()
+    reports = servicer.Step(iter(plans), context)
+    try:
+        asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+        assert stagers == ["engine"]
+        engine.gate.set()
+        asking.join(10)
+        assert report_from_proto(got[0]).step == 0 and report_from_proto(next(reports)).step == 1
+    finally:
+        engine.gate.set()
+        engine.ahead_gate.set()
+        context.end()
+        servicer.close()
+    plain = _OnEngineThread(GatedEngine(), EngineThread())
+    assert not hasattr(plain, "stage") and plain.step(Plan(0)).step == 0

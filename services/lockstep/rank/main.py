@@ -195,9 +195,12 @@ class _OnEngineThread:
     def __init__(self, engine: StepEngine, thread: EngineThread) -> None:
         self.engine = engine
         self.thread = thread
+        if hasattr(engine, "stage"):  # called by `ahead` inside the step, so on the engine thread already: directly
+            self.stage = engine.stage
 
-    def step(self, plan: Plan) -> Report:
-        return self.thread.call(self.engine.step, plan).result()
+    def step(self, plan: Plan, ahead: Callable | None = None) -> Report:
+        args = (plan,) if ahead is None else (plan, ahead)  # `ahead` only to an engine that prepares ahead
+        return self.thread.call(self.engine.step, *args).result()
 
     def info(self) -> RankInfo:
         return self.engine.info()
