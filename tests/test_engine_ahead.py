@@ -115,3 +115,64 @@ def test_a_failure_taking_the_tokens_after_the_pages_moved_breaks_the_rank_even_
     monkeypatch.setattr(engine, "_collect", broken)
     with pytest.raises(GroupBroken, match="after its pages were advanced"):
         engine.step(Plan(0, admits=(Admit("e"),), batch=(Chunk("e", tuple(prompt(5, 20)), 0, True, GREEDY, 0),)))
+
+
+def _every_kind_of_step(salt: bytes, ps: int) -> list[Plan]:
+    """Penalized sampling, a prefix pinned off another request's committed pages, probes, a flush, a step this
+    rank refuses (then explicit tokens, none drawn), a fence, release_all: each prepared ahead or in turn."""
+    from lockstep.kv.page_keys import page_keys
+    from lockstep.steps import Probe
+
+    penal = SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3, frequency_penalty=0.5,
+                           presence_penalty=0.2, logit_bias=((7, 3.0),))
+    a = prompt(6, 21)
+    b = a[:2 * ps] + prompt(7, 9)
+    keys = page_keys(a, ps, salt)
+    pend = PENDING_TOKEN
+
+    def dec(rid: str, at: int, i: int, token: int = pend, sp: SamplingParams = penal) -> Chunk:
+        return Chunk(rid, (token,), at, True, sp, i)
+
+    return [
+        Plan(0, admits=(Admit("a"),), batch=(Chunk("a", tuple(a), 0, True, penal, 0),)),
+        Plan(1, admits=(Admit("b", tuple(keys[:2])),), probes=(Probe("a", tuple(keys)),),
+             batch=(dec("a", 21, 1), Chunk("b", tuple(b[2 * ps:]), 2 * ps, True, GREEDY, 0))),
+        Plan(2, flush_prefix_cache=True, probes=(Probe("x", tuple(keys)),),
+             batch=(dec("a", 22, 2), dec("b", len(b), 1, sp=GREEDY))),
+        Plan(3, admits=(Admit("a"),), batch=(dec("a", 23, 3), dec("b", len(b) + 1, 2, sp=GREEDY))),
+        Plan(4, batch=(dec("a", 23, 3, 5), dec("b", len(b) + 1, 2, 6, GREEDY))),
+        Plan(5, batch=(dec("a", 24, 4), dec("b", len(b) + 2, 3, 9, GREEDY))),  # one pending among decodes
+        Plan(6, pool_fence=(("full", 60),)),
+        Plan(7, release_all=True, admits=(Admit("c"),), batch=(Chunk("c", tuple(a[:13]), 0, True, penal, 0),)),
+        Plan(8, batch=(dec("c", 13, 1),)),
+        Plan(9, releases=("c",)),
+    ]
+
+
+def _carry_out(engine: Engine, plans: list[Plan]) -> tuple[list[Report], list[int], dict]:
+    """`_drive`, refused steps allowed; and which requests each pool holds pages for at the end."""
+    reports, staged = [], []
+    for k, plan in enumerate(plans):
+        after = plans[k + 1] if k + 1 < len(plans) else None
+
+        def hook(busy: object, after: Plan | None = after) -> None:
+            if after is not None:
+                staged.append(after.step)
+                engine.stage(after)
+
+        reports.append(dataclasses.replace(engine.step(plan, hook), timings=Report(0, 0).timings))
+    engine.cache.check()
+    return reports, staged, {n: p.owners() for n, p in engine.cache.pools.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "sliding"])
+def test_every_kind_of_step_prepared_ahead_reports_and_holds_what_it_does_in_turn(checkpoint_dir, kind):
+    outcomes = []
+    for ahead in (False, True):
+        engine = Engine.create(EngineConfig(str(checkpoint_dir(kind)), page_size=4, kv_pages=64))
+        engine.runs_ahead = ahead
+        outcomes.append(_carry_out(engine, _every_kind_of_step(engine.cache.salt, 4)))
+    (in_turn, none, held), (ahead, staged, held_ahead) = outcomes
+    assert none == [] and staged == [1, 2, 3, 5, 6, 8, 9]  # the steps after a forward; step 3 is refused
+    assert [bool(r.error) for r in in_turn] == [False] * 3 + [True] + [False] * 6, [r.error for r in in_turn]
+    assert ahead == in_turn and held_ahead == held
