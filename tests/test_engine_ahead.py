@@ -176,3 +176,26 @@ def test_every_kind_of_step_prepared_ahead_reports_and_holds_what_it_does_in_tur
     assert none == [] and staged == [1, 2, 3, 5, 6, 8, 9]  # the steps after a forward; step 3 is refused
     assert [bool(r.error) for r in in_turn] == [False] * 3 + [True] + [False] * 6, [r.error for r in in_turn]
     assert ahead == in_turn and held_ahead == held
+
+
+def test_a_step_after_one_that_broke_the_rank_takes_no_stale_pending_token(checkpoint, monkeypatch):
+    """Step 1 breaks the rank after its pages moved (GroupBroken), with step 2 prepared ahead: step 2 still runs
+    (it counts as started). Its pending token is step 1's, which was never drawn: it must be refused, not run
+    on the token step 0 drew (the last the rank kept), which would report a token of a wrong context."""
+    engine = _engine(checkpoint, ahead=True)
+    p = tuple(prompt(8, 20))
+    plans = [Plan(0, admits=(Admit("f"),), batch=(Chunk("f", p, 0, True, GREEDY, 0),)),
+             Plan(1, batch=(Chunk("f", (PENDING_TOKEN,), len(p), True, GREEDY, 1),)),
+             Plan(2, batch=(Chunk("f", (PENDING_TOKEN,), len(p) + 1, True, GREEDY, 2),))]
+    assert not engine.step(plans[0]).error
+    collect = engine._collect
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the device reported a fault")
+
+    monkeypatch.setattr(engine, "_collect", broken)
+    with pytest.raises(GroupBroken):
+        engine.step(plans[1], lambda busy: engine.stage(plans[2]))
+    monkeypatch.setattr(engine, "_collect", collect)
+    after = engine.step(plans[2])
+    assert after.sampled == () and "no token drawn" in after.error, after

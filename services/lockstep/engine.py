@@ -159,6 +159,7 @@ class Engine:
         self.penalties.release(plan.releases)  # a released request is admitted again with its history
         error = staged.error if staged is not None else self._prepare(plan)
         drawn, error = self._pending_tokens(plan, error)
+        self.drawn = {}  # taken: a step that raises (GroupBroken) leaves no token for a step prepared ahead of it
         refused, drawn = self._agree(plan.step, error, drawn)
         if refused:
             self.cache.undo_admits()
