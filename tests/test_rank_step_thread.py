@@ -472,3 +472,27 @@ def test_a_rank_of_several_torch_threads_prepares_ahead_on_its_engine_thread():
         servicer.close()
     plain = _OnEngineThread(GatedEngine(), EngineThread())
     assert not hasattr(plain, "stage") and plain.step(Plan(0)).step == 0
+
+
+def test_a_newer_stream_that_resends_the_plan_prepared_ahead_is_answered_from_its_report(staging):
+    """A coordinator that reconnects while step 1 is prepared ahead (last_step 1) and resends plan 1 gets its
+    report again: step 1 runs once, the very plan prepared (Engine.step breaks the rank on any other object)."""
+    engine, servicer, plans, context, reports = staging
+    ran, staged = [], []
+    step, stage = engine.step, engine.stage
+    engine.step = lambda plan, ahead=None: (ran.append(plan), step(plan, ahead))[1]  # type: ignore[method-assign]
+    engine.stage = lambda plan: (staged.append(plan), stage(plan))[1]  # type: ignore[method-assign]
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    newer_plans.send(1)
+    time.sleep(0.2)
+    engine.gate.set()
+    asking.join(10)
+    taking.join(10)
+    again = report_from_proto(taken[0])
+    assert again.step == 1 and not again.error, again.error
+    assert engine.executed == [0, 1] and ran[1] is staged[0]
+    newer_context.end()
