@@ -199,3 +199,17 @@ def test_a_step_after_one_that_broke_the_rank_takes_no_stale_pending_token(check
     monkeypatch.setattr(engine, "_collect", collect)
     after = engine.step(plans[2])
     assert after.sampled == () and "no token drawn" in after.error, after
+
+
+def test_a_forward_probe_that_fails_after_the_pages_moved_breaks_the_rank_even_alone(checkpoint, monkeypatch):
+    """`_busy` (a CUDA event recorded after the launch) meets a device fault there as readily as the sync in
+    `_collect` does: the pages moved on already, so it is no refused step either."""
+    engine = _engine(checkpoint, ahead=True)
+
+    def faulted(launched: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine, "_busy", faulted)
+    plan = Plan(0, admits=(Admit("g"),), batch=(Chunk("g", tuple(prompt(9, 20)), 0, True, GREEDY, 0),))
+    with pytest.raises(GroupBroken, match="after its pages were advanced"):
+        engine.step(plan, lambda busy: None)

@@ -318,9 +318,9 @@ class Engine:
             return sampled, scored, None
         self.cache.advance_all(batch)
         finished = self.cache.finish(plan)
-        if ahead is not None:
-            ahead(self._busy(launched))
-        try:
+        try:  # the probe too: an event recorded after a device fault fails with it
+            if ahead is not None:
+                ahead(self._busy(launched))
             return *self._collect(batch, launched), finished
         except Exception as exc:  # the pages moved on already: the report could not say where the rank stands
             raise GroupBroken(f"rank {self.comm.rank}: step {plan.step} failed after its pages were advanced, "
