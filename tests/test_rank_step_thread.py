@@ -496,3 +496,28 @@ def test_a_newer_stream_that_resends_the_plan_prepared_ahead_is_answered_from_it
     assert again.step == 1 and not again.error, again.error
     assert engine.executed == [0, 1] and ran[1] is staged[0]
     newer_context.end()
+
+
+def test_a_plan_of_a_stream_superseded_before_the_forward_looked_for_it_is_not_prepared(staging):
+    """Plan 1 arrived, but a newer stream took over before step 0's `ahead` came to it: the newer coordinator
+    read last_step 0 and plans step 1 itself, so the older plan 1 is neither prepared nor run."""
+    engine, servicer, plans, context, reports = staging
+    engine.gate.clear()
+    engine.ahead_gate.clear()
+    plans.send(0, 1)
+    asking, got = _first(reports)
+    assert _started(engine) == 0
+    time.sleep(0.2)
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    assert servicer.last_step == 0
+    engine.ahead_gate.set()
+    engine.gate.set()
+    asking.join(10)
+    assert report_from_proto(got[0]).step == 0 and engine.staged == []
+    newer_plans.send(1)
+    taking.join(10)
+    assert report_from_proto(taken[0]).step == 1 and engine.executed == [0, 1]
+    newer_context.end()
