@@ -18,7 +18,7 @@ import pytest
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.rank import service
 from lockstep.rank.service import RankServicer
-from lockstep.steps import Plan, RankInfo, Report
+from lockstep.steps import GroupBroken, Plan, RankInfo, Report
 from lockstep.wire import plan_to_proto, report_from_proto
 
 
@@ -282,7 +282,7 @@ class StagingEngine(GatedEngine):
         self.ahead_gate.set()
         self.staged: list[int] = []
         self.forward_s = 0.0  # how long the "device" runs each forward after `ahead` is called
-
+        self.breaks: set[int] = set()  # steps that break the group once their forward ran
 
     def stage(self, plan: Plan) -> None:
         self.staged.append(plan.step)
@@ -295,6 +295,8 @@ class StagingEngine(GatedEngine):
             ahead(lambda: max(0.0, done - time.perf_counter()))
         assert self.gate.wait(10)
         self.executed.append(plan.step)
+        if plan.step in self.breaks:
+            raise GroupBroken(f"step {plan.step}: the device reported a fault")
         return Report(plan.step, 0)
 
 
@@ -317,6 +319,15 @@ def _step_zero_in_its_forward_with_one_prepared(engine: StagingEngine, servicer:
         time.sleep(0.01)
     assert engine.staged == [1] and engine.executed == []
     return asking, got
+
+
+def _take_over(servicer: RankServicer) -> tuple[Plans, FakeContext, Iterator[pb.ReportMsg], threading.Thread, list]:
+    """A newer coordinator's Step stream, open and asking for its first report (it supersedes the older one)."""
+    newer_plans, newer_context = Plans(), FakeContext()
+    newer = servicer.Step(iter(newer_plans), newer_context)
+    taking, taken = _first(newer)
+    time.sleep(0.2)
+    return newer_plans, newer_context, newer, taking, taken
 
 
 def test_the_next_plan_is_prepared_during_the_forward_and_counts_as_started(staging):
@@ -349,10 +360,7 @@ def test_a_plan_that_is_not_the_next_step_is_not_prepared(staging):
 def test_a_plan_prepared_ahead_runs_and_is_answered_though_a_newer_stream_took_over(staging):
     engine, servicer, plans, context, reports = staging
     asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
-    newer_plans, newer_context = Plans(), FakeContext()
-    newer = servicer.Step(iter(newer_plans), newer_context)
-    taking, taken = _first(newer)
-    time.sleep(0.2)
+    newer_plans, newer_context, newer, taking, taken = _take_over(servicer)
     assert servicer.last_step == 1  # what the newer coordinator reads: it plans step 2
     engine.gate.set()
     asking.join(10)
@@ -410,10 +418,7 @@ def test_a_newer_streams_first_plan_waits_for_the_plan_prepared_ahead_of_the_old
     out of order because it took the engine first (in a group, a refusal breaks it)."""
     engine, servicer, plans, context, reports = staging
     asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
-    newer_plans, newer_context = Plans(), FakeContext()
-    newer = servicer.Step(iter(newer_plans), newer_context)
-    taking, taken = _first(newer)
-    time.sleep(0.2)
+    newer_plans, newer_context, newer, taking, taken = _take_over(servicer)
     assert servicer.last_step == 1
     newer_plans.send(2)
     time.sleep(0.2)  # the newer stream's plan 2 waits for the engine behind step 0
@@ -432,10 +437,7 @@ def test_a_closing_servicer_waits_for_the_plan_prepared_ahead_by_a_superseded_st
     close returns only once that has run too, not as soon as step 0 lets go of the engine."""
     engine, servicer, plans, context, reports = staging
     asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
-    newer_plans, newer_context = Plans(), FakeContext()
-    newer = servicer.Step(iter(newer_plans), newer_context)
-    taking, taken = _first(newer)
-    time.sleep(0.2)
+    newer_plans, newer_context, newer, taking, taken = _take_over(servicer)
     closing = threading.Thread(target=servicer.close)
     closing.start()
     time.sleep(0.2)
@@ -483,10 +485,7 @@ def test_a_newer_stream_that_resends_the_plan_prepared_ahead_is_answered_from_it
     engine.step = lambda plan, ahead=None: (ran.append(plan), step(plan, ahead))[1]  # type: ignore[method-assign]
     engine.stage = lambda plan: (staged.append(plan), stage(plan))[1]  # type: ignore[method-assign]
     asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
-    newer_plans, newer_context = Plans(), FakeContext()
-    newer = servicer.Step(iter(newer_plans), newer_context)
-    taking, taken = _first(newer)
-    time.sleep(0.2)
+    newer_plans, newer_context, newer, taking, taken = _take_over(servicer)
     newer_plans.send(1)
     time.sleep(0.2)
     engine.gate.set()
@@ -508,10 +507,7 @@ def test_a_plan_of_a_stream_superseded_before_the_forward_looked_for_it_is_not_p
     asking, got = _first(reports)
     assert _started(engine) == 0
     time.sleep(0.2)
-    newer_plans, newer_context = Plans(), FakeContext()
-    newer = servicer.Step(iter(newer_plans), newer_context)
-    taking, taken = _first(newer)
-    time.sleep(0.2)
+    newer_plans, newer_context, newer, taking, taken = _take_over(servicer)
     assert servicer.last_step == 0
     engine.ahead_gate.set()
     engine.gate.set()
@@ -521,3 +517,21 @@ def test_a_plan_of_a_stream_superseded_before_the_forward_looked_for_it_is_not_p
     taking.join(10)
     assert report_from_proto(taken[0]).step == 1 and engine.executed == [0, 1]
     newer_context.end()
+
+
+def test_a_plan_prepared_ahead_of_a_step_that_broke_the_group_is_answered_without_running(staging):
+    """The rank is going down (its group is made anew): running the plan would only wait in a collective its
+    peers never enter, until the collective timeout, and hold the rank's exit (close waits for it) as long."""
+    engine, servicer, plans, context, reports = staging
+    fatal: list[str] = []
+    servicer._on_fatal = fatal.append
+    engine.breaks.add(0)
+    asking, got = _step_zero_in_its_forward_with_one_prepared(engine, servicer, plans, reports)
+    engine.gate.set()
+    asking.join(10)
+    assert "device reported a fault" in report_from_proto(got[0]).error and fatal
+    after = report_from_proto(next(reports))
+    assert after.step == 1 and "group broke" in after.error
+    assert engine.executed == [0]  # the engine never ran step 1
+    plans.send(2)
+    assert "group broke" in report_from_proto(next(reports)).error and engine.executed == [0]

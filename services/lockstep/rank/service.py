@@ -33,13 +33,12 @@ protocol's delivery rules live:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lockstep.grpc_keepalive import keepalive_options
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
+from lockstep.rank.step_stream import StepStream
 from lockstep.rank_auth import RankServerAuth, TokenInterceptor
 from lockstep.steps import GroupBroken, Plan, RankInfo, Report, StepGate
 from lockstep.stream_metadata import COORDINATOR_METADATA, STREAM_TAKEN_METADATA
@@ -75,63 +75,6 @@ REFUSAL_LOG_S = 60.0  # a coordinator refused again and again is logged once a m
 
 class _Superseded(Exception):
     """A plan of a stream that a newer one superseded before the plan could start."""
-
-
-class _Stream:
-    """One Step stream: the plans its reader thread has received and parsed, the reports its step thread made
-    (`outbox`, in plan order, then one of the markers below), and why it must end, if it must."""
-
-    _EOF = object()
-    _ABORT = object()  # the stream must end with `end`: the handler aborts (grpc takes an abort only from there)
-    _DONE = object()  # the coordinator's side ended and every plan it sent is answered
-
-    def __init__(self, coordinator: str = "", peer: str = "") -> None:
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.next: Any = None  # the inbox's next item, taken out early to be prepared ahead
-        self.staged: Plan | None = None  # a plan the engine prepared ahead: started, so it runs whatever comes
-        self.end: tuple[grpc.StatusCode, str] | None = None
-        self.coordinator, self.peer = coordinator, peer
-        self.since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.reading = True  # until its coordinator's side of the RPC ends
-
-    def live(self) -> bool:
-        return self.end is None and self.reading
-
-    def take(self) -> Any:
-        """The next item in plan order: the one taken out early, if any, else the inbox's next."""
-        item, self.next = self.next, None
-        return self.inbox.get() if item is None else item
-
-    def peek(self, wait_s: float = 0.0) -> Any:
-        """The next item if it arrives within `wait_s`, left in its turn; None if none has."""
-        if self.next is None:
-            try:
-                self.next = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
-            except queue.Empty:
-                return None
-        return self.next
-
-    def stop(self, code: grpc.StatusCode, details: str) -> None:
-        self.end = (code, details)
-        self.inbox.put(self._EOF)
-
-    def drop(self, why: str) -> None:
-        """The RPC is over (or its handler is): stop, unless already told why to."""
-        if self.end is None:
-            self.stop(grpc.StatusCode.CANCELLED, why)
-
-    def read(self, requests: Iterator[pb.PlanMsg]) -> None:
-        """Each plan read off the wire and parsed here, while the step thread runs the step before it (on a GPU
-        host, while the device runs it): the step thread does nothing but steps."""
-        try:
-            for msg in requests:
-                self.inbox.put(_parsed(msg))
-        except Exception:  # the RPC ended (cancelled, aborted, broken): nothing more will arrive
-            pass
-        finally:
-            self.reading = False
-            self.inbox.put(self._EOF)
 
 
 class _BadPlan:
@@ -163,11 +106,12 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self._on_fatal = on_fatal
         self._execute_lock = threading.Lock()
         self._streams_lock = threading.Lock()
-        self._current: _Stream | None = None
+        self._current: StepStream | None = None
         self._closed = False
         self._gate = StepGate(rank)
         self._in_flight: int | None = None
         self._refused: tuple[str, float] = ("", -REFUSAL_LOG_S)  # the last coordinator refused, and when logged
+        self._broken = ""  # why the group broke, once it did: no plan runs after that (the rank is going down)
 
     def attach(self, engine: StepEngine) -> None:
         """Hand over the engine once it is loaded; until then Step and Info answer UNAVAILABLE."""
@@ -197,14 +141,14 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         with self._execute_lock:
             return self._execute(plan)
 
-    def _execute(self, plan: Plan, stream: _Stream | None = None) -> Report:
+    def _execute(self, plan: Plan, stream: StepStream | None = None) -> Report:
         try:
             return self._gate.deliver(plan, lambda p: self._run(p, stream), self._refuse)
         finally:  # only once the gate holds the plan as the last one carried out; a plan prepared ahead is started
             staged = stream.staged if stream is not None else None
             self._in_flight = staged.step if staged is not None else None
 
-    def _run(self, plan: Plan, stream: _Stream | None = None) -> Report:
+    def _run(self, plan: Plan, stream: StepStream | None = None) -> Report:
         """The engine's step; an exception becomes the report's error. The report carries this call's time.
 
         Whether `stream` is still current and the step's start are one atomic move under the streams lock:
@@ -217,6 +161,9 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             if staged:
                 stream.staged = None
             self._in_flight = plan.step
+        if self._broken:  # its collectives would wait for peers that are gone, and hold the rank's exit as long
+            return Report(step=plan.step, rank=self.rank, error=f"rank {self.rank}: not run: its group broke "
+                                                                 f"({self._broken})")
         try:
             stage = getattr(self._engine, "stage", None) if stream is not None else None
             report = (self._engine.step(plan, lambda busy: self._stage_next(stream, plan, busy)) if stage is not None
@@ -229,11 +176,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         except Exception as e:
             log.exception("rank %d: step %d failed", self.rank, plan.step)
             report = Report(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
-            if isinstance(e, GroupBroken) and self._on_fatal is not None:
-                self._on_fatal(str(e))
+            if isinstance(e, GroupBroken):
+                self._broken = str(e)
+                if self._on_fatal is not None:
+                    self._on_fatal(str(e))
         return replace(report, timings=replace(report.timings, rank_step_s=time.perf_counter() - t0))
 
-    def _stage_next(self, stream: _Stream, current: Plan, busy: Callable[[], float]) -> None:
+    def _stage_next(self, stream: StepStream, current: Plan, busy: Callable[[], float]) -> None:
         """Called by the engine while the device runs `current`'s forward: the stream's next plan, once it
         arrives while the forward still runs (`busy`: how long to wait before asking it again, 0 once done), is
         the step after, is prepared now (`stage`), and from here on counts as started (`last_step` says so, and it
@@ -267,11 +216,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         except Exception:
             return 1
 
-    def _open(self, context: grpc.ServicerContext) -> _Stream:
+    def _open(self, context: grpc.ServicerContext) -> StepStream:
         if self._engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is still loading its engine")
         coordinator = dict(context.invocation_metadata()).get(COORDINATOR_METADATA, "")
-        stream = _Stream(coordinator, context.peer())
+        stream = StepStream(coordinator, context.peer())
         with self._streams_lock:
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"rank {self.rank} is shutting down")
@@ -292,7 +241,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             raise
         return stream
 
-    def _refuse_coordinator(self, context: grpc.ServicerContext, stream: _Stream, holder: _Stream) -> None:
+    def _refuse_coordinator(self, context: grpc.ServicerContext, stream: StepStream, holder: StepStream) -> None:
         """Abort a second coordinator's stream, saying which one drives the rank (logged once a minute each)."""
         why = (f"rank {self.rank} is driven by another coordinator ({holder.coordinator or 'unnamed'} at "
                f"{holder.peer}, since {holder.since}); another may take it over only once that one's stream ends")
@@ -313,21 +262,21 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         finally:  # however the handler ends, this stream drives the rank no more: another coordinator may
             stream.reading = False
 
-    def _serve(self, stream: _Stream, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
+    def _serve(self, stream: StepStream, request_iterator: Iterator[pb.PlanMsg], context: grpc.ServicerContext
                ) -> Iterator[pb.ReportMsg]:
         """Yield the step thread's reports. grpc sends a yielded report before it asks for the next one, so the
         steps run on a thread of their own (`_work`) and step k+1 starts while report k is being sent."""
         context.add_callback(lambda: stream.drop("the Step stream ended"))
         threading.Thread(
-            target=stream.read, args=(request_iterator,), daemon=True, name="plan-reader"
+            target=stream.read, args=(request_iterator, _parsed), daemon=True, name="plan-reader"
         ).start()
         threading.Thread(target=self._work, args=(stream,), daemon=True, name="step-runner").start()
         try:
             while True:
                 item = stream.outbox.get()
-                if item is _Stream._ABORT:
+                if item is StepStream._ABORT:
                     context.abort(*stream.end)
-                if item is _Stream._DONE:
+                if item is StepStream._DONE:
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -335,24 +284,24 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         finally:  # a report that could not be sent (the stream broke): no further plan of this stream starts
             stream.drop("the Step stream's handler ended")
 
-    def _work(self, stream: _Stream) -> None:
+    def _work(self, stream: StepStream) -> None:
         """The stream's plans, carried out one after the other; their reports, then a marker, go to the outbox."""
         try:
             while True:
                 item = stream.take()
                 if stream.end is not None and item is not stream.staged:
-                    stream.outbox.put(_Stream._ABORT)
+                    stream.outbox.put(StepStream._ABORT)
                     return
-                if item is _Stream._EOF:
-                    stream.outbox.put(_Stream._DONE)
+                if item is StepStream._EOF:
+                    stream.outbox.put(StepStream._DONE)
                     return
                 stream.outbox.put(self._carry_out(stream, item))
         except _Superseded:
-            stream.outbox.put(_Stream._ABORT)
+            stream.outbox.put(StepStream._ABORT)
         except BaseException as e:  # the handler raises it, as if it had run the step itself
             stream.outbox.put(e)
 
-    def _carry_out(self, stream: _Stream, plan: Plan | _BadPlan | BaseException) -> Report:
+    def _carry_out(self, stream: StepStream, plan: Plan | _BadPlan | BaseException) -> Report:
         """One plan of `stream` as its reader parsed it: refused if it did not parse; `_Superseded` once a newer
         stream owns the rank."""
         if isinstance(plan, BaseException):
