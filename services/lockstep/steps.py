@@ -229,6 +229,8 @@ class PromptLogprobs:
 class Timings:
     """Seconds one rank spent on one step, for the coordinator's step-time breakdown (0.0: not measured)."""
 
+    # where the device runs ahead of the host (Engine.runs_ahead) both include preparing the next step, done while
+    # this step's forward runs: the step after then counts no prepare of its own
     step_s: float = 0.0  # the engine's whole step, from the plan to its report
     forward_s: float = 0.0  # the forward pass and sampling
     rank_step_s: float = 0.0  # the rank service's handling of the plan, the engine's step included
