@@ -54,7 +54,6 @@ SAMPLING_RANK = 0
 AGREEMENT_SLOTS = 64
 
 
-_Inputs = tuple[torch.Tensor, dict[str, AttentionBatch]]  # the forward's token ids and attention batches
 Ahead = Callable[[Callable[[], float]], None]  # `Engine.step`'s hook, given the forward's probe
 _Outcome = tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...], tuple[tuple, tuple] | None]
 
@@ -62,12 +61,12 @@ _Outcome = tuple[tuple[Sampled, ...], tuple[PromptLogprobs, ...], tuple[tuple, t
 @dataclasses.dataclass(frozen=True)
 class _Staged:
     """A plan prepared ahead (`Engine.stage`): the object the service holds, as columns, why it is refused, and
-    its forward's inputs when they could be built ahead."""
+    its attention batches when they could be built ahead."""
 
     source: Plan
     plan: Plan
     error: str
-    inputs: _Inputs | None
+    attention: dict[str, AttentionBatch] | None
 
 
 class Engine:
@@ -175,8 +174,8 @@ class Engine:
         forward_s = 0.0
         if not error and plan.batch:
             t1 = time.perf_counter()
-            inputs = staged.inputs if staged is not None else None
-            (sampled, scored, finished), error = self._forward(plan, drawn, inputs, ahead)
+            attention = staged.attention if staged is not None else None
+            (sampled, scored, finished), error = self._forward(plan, drawn, attention, ahead)
             forward_s = time.perf_counter() - t1
         self.drawn = {s.request_id: s.token_id for s in sampled} if self.comm.rank == SAMPLING_RANK else {}
         probes, pools = finished if finished is not None else self.cache.finish(plan)
@@ -186,19 +185,19 @@ class Engine:
     def stage(self, plan: Plan) -> None:
         """The next plan's host work, done while the device runs this step's forward (called from `ahead`):
         its RankCache prepare, in the same order after this step's advance and finish as without it, and its
-        forward's inputs, whose pending tokens are filled in once the agreement gives them. The plan counts as
+        forward's attention batches (the token ids wait for the agreement's pending tokens). The plan counts as
         started from here: its prepare cannot be taken back, so `step` must get this very plan next."""
         staged = plan if isinstance(plan.batch, ChunkColumns) else dataclasses.replace(
             plan, batch=ChunkColumns.of(plan.batch))
         error = self._prepare(staged)
-        inputs = None
+        attention = None
         if not error and staged.batch and not (staged.pool_split or staged.pool_fence):
             try:
-                inputs = self._inputs(staged.batch)
+                attention = self._attention(staged.batch)
             except Exception:  # the step builds them again and fails where it would have
                 log.debug("rank %d: the inputs of step %d could not be built ahead", self.comm.rank, plan.step,
                           exc_info=True)
-        self._staged = _Staged(plan, staged, error, inputs)
+        self._staged = _Staged(plan, staged, error, attention)
 
     def _prepare(self, plan: Plan) -> str:
         """RankCache's prepare of the plan; why this rank refuses the step, or ""."""
@@ -266,12 +265,12 @@ class Engine:
             shared += [int(t) for t in more]
         return False, shared
 
-    def _forward(self, plan: Plan, drawn: list[int], inputs: _Inputs | None, ahead: Ahead | None
-                 ) -> tuple[_Outcome, str]:
+    def _forward(self, plan: Plan, drawn: list[int], attention: dict[str, AttentionBatch] | None,
+                 ahead: Ahead | None) -> tuple[_Outcome, str]:
         """((sampled tokens, prompt scores, the finished state or None), error). Alone, a failed forward is a
         refused step; in a group it breaks the group, since the peers may be waiting in one of its collectives."""
         try:
-            return self._run(plan, drawn, inputs, ahead), ""
+            return self._run(plan, drawn, attention, ahead), ""
         except GroupBroken:
             raise
         except Exception as exc:
@@ -282,9 +281,12 @@ class Engine:
             return ((), (), None), f"rank 0: {type(exc).__name__} in the forward: {exc}"
 
     def _inputs(self, batch: ChunkColumns) -> tuple[torch.Tensor, dict[str, AttentionBatch]]:
-        """The forward's token ids and each KV pool's attention batch: the host's share of a step, read off the
-        RankCache's block tables (one row per request, kept as its pages change)."""
-        ids = long_tensor(self.device, batch.token_ids)  # through an array: torch.tensor of a list costs 3x more
+        """The forward's token ids and each KV pool's attention batch: the host's share of a step."""
+        return long_tensor(self.device, batch.token_ids), self._attention(batch)  # via an array: 3x torch.tensor's
+
+    def _attention(self, batch: ChunkColumns) -> dict[str, AttentionBatch]:
+        """Each KV pool's attention batch, read off the RankCache's block tables (one row per request, kept as its
+        pages change): all of the forward's inputs but its token ids."""
         rows = self.cache.rows(batch.request_ids)
         batches = {name: AttentionBatch.from_table(self._host_table(name), rows, batch.starts, batch.token_counts,
                                                    self.cache.page_size, self.device)
@@ -294,7 +296,7 @@ class Engine:
             if batch.single_seqs:
                 for group in batch.single_gathers(pool_window(name, self.cache.window)):
                     group.bias(dtype)
-        return ids, batches
+        return batches
 
     def _host_table(self, pool: str) -> torch.Tensor:
         """The pool's block table as a host tensor on its array (no copy), made again when the table grew."""
@@ -305,12 +307,16 @@ class Engine:
                 table.rows, table.cols))
         return made[1]
 
-    def _run(self, plan: Plan, drawn: list[int], inputs: _Inputs | None, ahead: Ahead | None) -> _Outcome:
+    def _run(self, plan: Plan, drawn: list[int], attention: dict[str, AttentionBatch] | None, ahead: Ahead | None
+             ) -> _Outcome:
         """The forward and the sampling, with the pages advanced after them; where the host runs ahead of the
         device, advanced and finished while the device computes (then `ahead`), and the tokens taken last."""
-        pending: ChunkColumns = plan.batch  # type: ignore[assignment]  # `step` made it columns
-        batch = pending.resolved(drawn) if drawn else pending
-        ids, attn = self._inputs(batch) if inputs is None else _with_tokens(inputs, pending, drawn)
+        batch: ChunkColumns = plan.batch  # type: ignore[assignment]  # `step` made it columns
+        batch = batch.resolved(drawn) if drawn else batch
+        if attention is None:
+            ids, attn = self._inputs(batch)
+        else:  # built ahead: the token ids alone are left, now that the pending ones are known
+            ids, attn = long_tensor(self.device, batch.token_ids), attention
         launched = self._launch(batch, ids, attn)
         if not self.runs_ahead:
             sampled, scored = self._collect(batch, launched)
@@ -382,19 +388,6 @@ class Engine:
             logits = self.model(ids, attn, self.kv, rows=torch.tensor(rows, device=ids.device))
         # the rows are the same on every rank (the LM head gathers them); only rank 0 scores them
         return logits[lasts], _prompt_scores(batch, logits, firsts) if self.comm.rank == 0 else ()
-
-
-def _with_tokens(inputs: _Inputs, batch: ChunkColumns, drawn: list[int]) -> _Inputs:
-    """Inputs built ahead, their pending chunks' tokens (placeholders then) filled in by `drawn`."""
-    ids, attn = inputs
-    rows = batch.pending()
-    if not rows:
-        return inputs
-    if len(rows) == len(ids):  # every chunk one pending token: the drawn tokens are the column
-        return long_tensor(ids, drawn), attn
-    at = rows if batch.one_token_each else [batch.offsets[i] for i in rows]
-    ids[long_tensor(ids, at)] = long_tensor(ids, drawn)
-    return ids, attn
 
 
 def _resolved(plan: Plan, drawn: list[int]) -> Plan:

@@ -289,7 +289,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         try:
             while True:
                 item = stream.take()
-                if stream.end is not None and item is not stream.staged:
+                if stream.end is not None:
                     stream.outbox.put(StepStream._ABORT)
                     return
                 if item is StepStream._EOF:
@@ -309,8 +309,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if isinstance(plan, _BadPlan):
             return self._refuse(plan, f"bad plan: {plan.error}")
         with self._execute_lock:
-            if stream.end is not None and plan is not stream.staged:  # superseded while waiting: the newer
-                raise _Superseded()  # stream owns the rank now
+            if stream.end is not None:  # superseded while waiting: the newer stream owns the rank now
+                raise _Superseded()
             report = self._execute(plan, stream)
             while stream.staged is not None:  # started: it runs next, before a newer stream's plan takes the lock
                 stream.outbox.put(report)
