@@ -234,3 +234,13 @@ def test_a_batch_off_the_table_refuses_a_row_outside_the_table():
             AttentionBatch.from_table(table, rows, [0] * len(rows), [1] * len(rows), 4)
         with pytest.raises(ValueError, match="row"):
             AttentionBatch.from_table(table, rows, [0] * len(rows), [2] * len(rows), 4)
+
+
+def test_a_device_batch_keeps_the_parts_types_and_values():
+    """The one buffer holds every part's values, in the type torch.cat would give them."""
+    parts = [torch.arange(3, dtype=torch.int32), torch.tensor([9, 8], dtype=torch.long)]
+    flat = attention.host_staging(5, torch.long, torch.device("cpu"))
+    torch.cat(parts, out=flat)
+    assert flat.tolist() == [0, 1, 2, 9, 8] and not flat.is_pinned()
+    moved = attention._to_device(parts, "meta")
+    assert [p.dtype for p in moved] == [torch.long, torch.long]

@@ -66,7 +66,12 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
+
+
+def host_staging(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host buffer that `to_device` sends to `device` without a second host copy: pinned for CUDA."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def pick_dtype(requested: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:

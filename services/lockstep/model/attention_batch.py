@@ -12,13 +12,13 @@ import operator
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, reduce
 from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
-from lockstep.device import attention_call_tokens, to_device
+from lockstep.device import attention_call_tokens, host_staging, to_device
 from lockstep.kv.paging import first_page, pages_for
 from lockstep.model.decode_masks import DecodeMasks, pattern_span
 
@@ -273,7 +273,10 @@ def _to_device(parts: list[torch.Tensor], device: torch.device | str) -> list[to
     device = torch.device(device)
     if device.type == "cpu":
         return parts
-    flat = to_device(torch.cat([p.reshape(-1) for p in parts]), device)
+    flats = [p.reshape(-1) for p in parts]
+    dtype = reduce(torch.promote_types, (f.dtype for f in flats))
+    host = host_staging(sum(f.numel() for f in flats), dtype, device)
+    flat = to_device(torch.cat(flats, out=host), device)
     out, at = [], 0
     for p in parts:
         out.append(flat[at:at + p.numel()].view(p.shape))
