@@ -101,6 +101,7 @@ def _serving(engine: GatedEngine) -> Iterator[tuple]:
     if isinstance(engine, StagingEngine):
         engine.ahead_gate.set()
     context.end()
+    plans.close()  # grpc ends the request iterator with the RPC; without this every test leaves a plan-reader
     servicer.close()
 
 
