@@ -300,3 +300,24 @@ def test_device_and_backend_choice(monkeypatch):
             parse_rendezvous(bad)
     with pytest.raises(ValueError, match="rank 2 is not in a group of world size 2"):
         Comm(2, 2)
+
+
+@pytest.mark.parametrize("device, words", [("foo", "LOCKSTEP_DEVICE='foo' is not a device"),
+                                           ("cuda:0" if not torch.cuda.is_available() else "tpu",
+                                            "CUDA is not available" if not torch.cuda.is_available()
+                                            else "only 'cpu' and 'cuda'")])
+def test_a_rank_given_a_device_it_cannot_use_stops_with_one_line_saying_so(tiny_llama, device, words):
+    """docs/commands.md: a LOCKSTEP_DEVICE that is not a device, or `cuda` on a machine without one, "stops the rank
+    at start-up with one line saying so". It stopped with two chained tracebacks (about 30 lines) under
+    `the engine did not start`."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lockstep.cli", "rank", "--rank", "0", "--host", "127.0.0.1",
+                          "--port", "0", "--model", str(tiny_llama), "--threads", "1", "--kv-pages", "8"],
+                         env={**os.environ, "LOCKSTEP_DEVICE": device}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and words in errors[0], out.stderr

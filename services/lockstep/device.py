@@ -15,6 +15,10 @@ import torch
 DEVICE_ENV = "LOCKSTEP_DEVICE"
 
 
+class DeviceError(ValueError):
+    """`LOCKSTEP_DEVICE` names no device this rank can use: a setting to fix, said in one line, not a bug."""
+
+
 def pick_device(local_rank: int = 0) -> torch.device:
     """CUDA (one GPU per local rank) when present, else CPU; `LOCKSTEP_DEVICE` overrides both."""
     if local_rank < 0:
@@ -24,13 +28,13 @@ def pick_device(local_rank: int = 0) -> torch.device:
         try:
             device = torch.device(wanted)
         except RuntimeError as e:
-            raise ValueError(
+            raise DeviceError(
                 f"{DEVICE_ENV}={wanted!r} is not a device (use 'cpu', 'cuda' or 'cuda:N')") from e
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{DEVICE_ENV}={wanted!r}: only 'cpu' and 'cuda' devices are supported")
+            raise DeviceError(f"{DEVICE_ENV}={wanted!r}: only 'cpu' and 'cuda' devices are supported")
         if device.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError(f"{DEVICE_ENV}={wanted!r} but CUDA is not available on this machine")
+                raise DeviceError(f"{DEVICE_ENV}={wanted!r} but CUDA is not available on this machine")
             if device.index is None:
                 device = torch.device("cuda", local_rank % torch.cuda.device_count())
         return device

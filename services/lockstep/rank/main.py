@@ -234,8 +234,6 @@ class _Ending:
 def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = create_engine) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status."""
     import torch
-    from torch.distributed import DistNetworkError
-
     torch.set_num_threads(cfg.threads)
     ending = _Ending(cfg.rank)
     stop = ending.stop
@@ -267,16 +265,8 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
             engine = _start_engine(engine_factory, cfg, lambda: bool(ending.broken))
         except _Terminated:
             return ending.code
-        except (CheckpointError, UnsupportedModelError) as exc:
-            log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
-            return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
-        except DistNetworkError as exc:  # rank 0's store went while the group formed (it was killed)
-            log.error("rank %d: the group's rendezvous failed (%s); exiting so that the group is recreated",
-                      cfg.rank, exc)
-            return EXIT_GROUP_BROKEN
-        except Exception:
-            log.exception("rank %d: the engine did not start", cfg.rank)
-            return 1
+        except Exception as exc:
+            return _start_failed(cfg, exc)
         finally:
             loading = False
         if stop.is_set():
@@ -291,6 +281,27 @@ def run(cfg: RankConfig, engine_factory: Callable[[RankConfig], StepEngine] = cr
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("rank %d: stopped after step %d", cfg.rank, servicer.last_step)
+
+
+def _start_failed(cfg: RankConfig, exc: Exception) -> int:
+    """The exit status of a rank whose engine did not start, with one log line saying why (a traceback only for
+    what no one foresaw)."""
+    from torch.distributed import DistNetworkError
+
+    from lockstep.device import DeviceError
+
+    if isinstance(exc, CheckpointError | UnsupportedModelError):
+        log.error("rank %d: %s cannot be served: %s", cfg.rank, cfg.model, exc)
+        return EXIT_UNSERVABLE  # whoever starts ranks need not start this one again: it would fail alike
+    if isinstance(exc, DeviceError):  # LOCKSTEP_DEVICE: a setting to fix, not a bug (docs/commands.md)
+        log.error("rank %d: %s", cfg.rank, exc)
+        return 1
+    if isinstance(exc, DistNetworkError):  # rank 0's store went while the group formed (it was killed)
+        log.error("rank %d: the group's rendezvous failed (%s); exiting so that the group is recreated",
+                  cfg.rank, exc)
+        return EXIT_GROUP_BROKEN
+    log.error("rank %d: the engine did not start", cfg.rank, exc_info=exc)
+    return 1
 
 
 PARENT_PID_ENV = "LOCKSTEP_PARENT_PID"  # set by `lockstep serve`: the process whose ranks these are
