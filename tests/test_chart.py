@@ -355,11 +355,23 @@ def test_helm_test_uses_the_deployments_own_key_first(tmp_path: Path) -> None:
 
 
 def test_notes_tell_how_to_send_the_key() -> None:
-    text = notes(VALUES["coordinator-api-key"])
-    assert "Authorization: Bearer" in text
-    assert "kubectl -n ml get secret lockstep-api -o jsonpath='{.data.key}' | base64 -d" in text
     text = notes(VALUES["spec-env-api-key"])
+    assert "The coordinators require an API key" in text and "Authorization: Bearer" in text
     assert "kubectl -n ml get secret own-keys -o jsonpath='{.data.keys}' | base64 -d" in text
+    text = notes(VALUES["spec-env-api-key"] | {"operator": VALUES["coordinator-api-key"]["operator"]})
+    assert "kubectl -n ml get secret own-keys -o jsonpath='{.data.keys}' | base64 -d" in text
+
+
+def test_notes_say_an_operator_key_alone_leaves_the_api_open() -> None:
+    """Bug fix: with only `operator.coordinatorApiKeySecret` set, the NOTES said "The coordinators require an API
+    key" and told the user to send it; but that value gives the operator its key for /admin (values.yaml), and the
+    chart's LockstepDeployment sets no LOCKSTEP_API_KEY, so its coordinator serves anyone."""
+    (lsd,) = kinds(render(VALUES["coordinator-api-key"]))["LockstepDeployment"]
+    assert not any(e.get("name") == "LOCKSTEP_API_KEY" for e in lsd["spec"].get("env", []))
+    text = notes(VALUES["coordinator-api-key"])
+    assert "require an API key" not in text and "Authorization: Bearer" not in text
+    assert "operator.coordinatorApiKeySecret" in text and "spec.env" in text
+    assert "curl http://127.0.0.1:8000/v1/completions" in text
 
 
 NAMES = ["demo", "a" * MAX_NAME_LENGTH, "a" * (MAX_NAME_LENGTH + 1), "a" * 53, "1st", "my.app", "my-app-",
