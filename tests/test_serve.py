@@ -487,3 +487,34 @@ def test_a_rank_that_cannot_serve_its_checkpoint_is_not_started_again(tiny_llama
     finally:
         ranks.stop()
     assert ranks.restarts == 0 and len(said) == 1 and "cannot serve the checkpoint" in said[0], said
+
+
+@pytest.mark.parametrize("held", [0, 1])
+def test_a_port_in_use_is_refused_in_one_line_before_any_rank_starts(tiny_llama, capsys, held):
+    """Found by a docs walkthrough: `lockstep serve --port P` with P (or P+1, gRPC's) held by another server
+    started the ranks, loaded the model, then failed with aiohttp's traceback; grpc would even have shared a
+    held gRPC port (SO_REUSEPORT). Now one line, exit status 1, and no rank started."""
+    from lockstep.serve import main
+
+    port = _free_port_pair()
+    with socket.create_server(("127.0.0.1", port + held)):
+        assert main(["--model", str(tiny_llama), "--tp", "1", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port + held}: Address already in use" in err, err
+    assert "Traceback" not in err and "starting" not in err, err
+
+
+def test_a_coordinator_whose_http_port_is_taken_says_so_in_one_line_and_exits_1(tiny_llama, tmp_path):
+    """The same for `lockstep coordinator`, whose ports are bound after it starts connecting to its ranks: one
+    line naming the address, exit status 1, no traceback, with or without API frontends."""
+    for frontends in ([], ["--api-workers", "1"]):
+        http_port, grpc_port = _free_port_pair(), free_port()
+        with socket.create_server(("127.0.0.1", http_port)):
+            out = subprocess.run(
+                [sys.executable, "-m", "lockstep.cli", "coordinator", "--group", f"g0=127.0.0.1:{free_port()}",
+                 "--model", str(tiny_llama), "--host", "127.0.0.1", "--http-port", str(http_port),
+                 "--grpc-port", str(grpc_port), *frontends], capture_output=True, text=True, timeout=60)
+        said = out.stdout + out.stderr
+        assert out.returncode == 1, said
+        assert "cannot serve: " in said and str(http_port) in said and "address already in use" in said.lower(), said
+        assert "Traceback" not in said, said

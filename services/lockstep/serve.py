@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,21 @@ def _default_tp(model_dir: Path, dp: int, say: Callable[[str], None]) -> int:
     return tp
 
 
+def taken_port(host: str, ports: Iterable[int]) -> str | None:
+    """Why one of `ports` cannot be listened on at `host`, or None. Asked before any rank starts: otherwise a port
+    another server holds is found only once the ranks have loaded the model."""
+    for port in ports:
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            with socket.socket(info[0], socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is free
+                sock.bind(info[4])
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server there? --port P takes "
+                    f"P for HTTP and P+1 for gRPC)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from lockstep.coordinator.stopping import dump_on_sigusr1
 
@@ -150,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # TPConfigError, UnsupportedModelError, CheckpointError: ValueErrors
         say(str(exc))
         return 2
+    taken = taken_port(args.host, (args.port, args.port + 1))
+    if taken is not None:
+        say(taken)
+        return 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // (tp * args.dp))
     token = new_token()  # the ranks serve only this coordinator; by environment, never on a command line
     groups = _groups(args, model_dir, tp, threads, env_with_token(token, os.environ))

@@ -115,20 +115,19 @@ async def run(
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
-    grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
-    if config.api_workers:
-        model_dir = resolve_model(config.model, progress)
-        workers = await _unless_stopped(ApiWorkers.start(coord, config, model_dir), stop)
-        if workers is None:  # the stop came while they started: they are killed, the rest stops as after serving
-            if supervise is not None:
-                supervise.close()  # never started
-            await _stop_servers(coord, grace, grpc_server.stop(grace))
-            return 0
-        runner: web.AppRunner | ApiWorkers = workers
-        progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
-    else:
-        runner = await run_app(OpenAIServer(coord, config.api_keys).app(), config.host, config.http_port, grace,
-                               keep_alive=config.http_keep_alive)
+    try:
+        grpc_server, runner = await _listen(config, coord, stop, progress)
+    except OSError as exc:  # a port in use, or an address not this machine's: one line, not a traceback
+        progress(f"cannot serve: {exc}")
+        if supervise is not None:
+            supervise.close()  # never started
+        await bounded(coord.close(), STOP_SLACK_S, "the groups to close")
+        return 1
+    if runner is None:  # the stop came while the frontends started: they are killed, the rest stops as after serving
+        if supervise is not None:
+            supervise.close()
+        await _stop_servers(coord, grace, grpc_server.stop(grace))
+        return 0
     watchdog = LoopWatchdog(config.watchdog_timeout) if config.watchdog_timeout else None
     if watchdog is not None:  # from here on the loop only serves: nothing may hold it for long
         watchdog.start(loop)
@@ -139,6 +138,25 @@ async def run(
             watchdog.stop()
         if isinstance(runner, ApiWorkers):
             runner.close_now()  # whatever stopped the run: no frontend and no link directory outlives it
+
+
+async def _listen(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Event, progress: Callable[[str], None]
+                  ) -> tuple[grpc.aio.Server, web.AppRunner | ApiWorkers | None]:
+    """The gRPC server and the HTTP API (None: the stop came while its frontends started); OSError where either
+    cannot bind, the other stopped."""
+    grpc_server = await start_grpc(coord, config.host, config.grpc_port, config.api_keys)
+    try:
+        if not config.api_workers:
+            app = OpenAIServer(coord, config.api_keys).app()
+            return grpc_server, await run_app(app, config.host, config.http_port, config.shutdown_grace,
+                                              keep_alive=config.http_keep_alive)
+        workers = await _unless_stopped(ApiWorkers.start(coord, config, resolve_model(config.model, progress)), stop)
+    except BaseException:
+        await grpc_server.stop(0)
+        raise
+    if workers is not None:
+        progress(f"the HTTP API runs in {config.api_workers} frontend process(es)")
+    return grpc_server, workers
 
 
 async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppRunner | ApiWorkers,

@@ -43,7 +43,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lockstep.grpc_keepalive import keepalive_options
+from lockstep.grpc_options import add_port, server_options
 from lockstep.proto_gen.lockstep.v1 import rank_pb2 as pb
 from lockstep.proto_gen.lockstep.v1 import rank_pb2_grpc
 from lockstep.rank.step_stream import StepStream
@@ -343,19 +343,12 @@ class RankServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rank-grpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                     *keepalive_options(KEEPALIVE_MS)],
+                     *server_options(KEEPALIVE_MS)],
             interceptors=[TokenInterceptor(auth.token, f"rank {servicer.rank}")] if auth.token else [],
         )
         rank_pb2_grpc.add_RankServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        credentials = auth.credentials()
-        try:
-            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
-                         else self.server.add_insecure_port(address))
-        except RuntimeError as e:
-            raise OSError(f"cannot bind the rank's gRPC server to {address}: {e}") from e
-        if self.port == 0:
-            raise OSError(f"cannot bind the rank's gRPC server to {address}")
+        self.port = add_port(self.server, address, "the rank's gRPC server", auth.credentials())
         if not auth.token:
             log.warning("rank %d: no group token (LOCKSTEP_GROUP_TOKEN or --group-token-file): anyone who reaches "
                         "port %d can drive this rank", servicer.rank, self.port)
@@ -386,12 +379,7 @@ def _health_server(servicer: health.HealthServicer, address: str | None) -> tupl
     """A plaintext server with `servicer` alone bound to `address` (None: no such server), and its port."""
     if address is None:
         return None, None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rank-health"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rank-health"),
+                         options=server_options())
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise OSError(f"cannot bind the rank's health port to {address}: {e}") from e
-    if port == 0:
-        raise OSError(f"cannot bind the rank's health port to {address}")
-    return server, port
+    return server, add_port(server, address, "the rank's health port")

@@ -1,0 +1,40 @@
+"""What every Lockstep gRPC server is told: its port is its own, and when a peer that answers nothing is dropped.
+
+A port of its own: grpc's servers set SO_REUSEPORT by default, so a second rank started on a port that a stale
+rank still holds would bind as well, and the kernel would deal the coordinator's connections between the two:
+plans reaching a process that is not in the group. With the option off, the second one fails to start.
+
+Keepalive: how a server drops a peer that answers nothing any more (stopped, cut off without a FIN or an RST),
+so that what the peer held (a rank's Step stream, a client's request) is let go. grpc >= 1.5x times an
+unanswered ping by `grpc.http2.ping_timeout_ms` (60 s by default), not by `grpc.keepalive_timeout_ms` alone:
+both are set, or a silent peer is held for a minute more than asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def server_options(keepalive_ms: int | None = None) -> list[tuple[str, int]]:
+    """A port of its own and, with `keepalive_ms`, a ping every `keepalive_ms`; a peer that leaves one unanswered
+    for as long is dropped."""
+    if keepalive_ms is None:
+        return [EXCLUSIVE_PORT]
+    return [EXCLUSIVE_PORT, ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms)]
+
+
+def add_port(server: Any, address: str, what: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` (sync or aio) to `address`, and the port it got; an OSError naming `what` where it cannot."""
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {what} to {address}: {e}") from e
+    if port == 0:
+        raise OSError(f"cannot bind {what} to {address}")
+    return port
