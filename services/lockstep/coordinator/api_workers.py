@@ -11,6 +11,7 @@ gRPC itself; /health, /metrics and /admin are answered by the frontends from the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -35,11 +36,15 @@ START_TIMEOUT_S = 120.0  # for every frontend to import, load the tokenizer and 
 RESTART_BACKOFF_S = (1.0, 30.0)  # a frontend that exits is started again after this long, doubling up to the cap
 STEADY_S = 10.0  # a frontend that ran this long before it exited starts again after the shortest wait
 KILL_AFTER_GRACE_S = 2.5  # past its shutdown grace a frontend is killed (inside the coordinator's own stop bound)
+KILL_WAIT_S = 1.0  # for a killed frontend to be gone
 POLL_S = 0.2
 # A frontend that sent no heartbeat for this long (remote.FRONTEND_BEAT_S apart) is stopped or its event loop is
 # stuck: it is killed and started again. Alive, it keeps its share of the shared port, and the kernel goes on
 # handing it connections that nobody answers.
 FRONTEND_SILENT_S = 10.0
+
+
+AT_ONCE = "was still serving when told to stop at once"  # why a frontend killed on a second Ctrl-C is no fault
 
 
 def reserve(host: str, port: int) -> socket.socket:
@@ -176,6 +181,7 @@ class ApiWorkers:
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        at_once = ""
         try:
             for proc in self.procs:
                 if proc.poll() is None:
@@ -183,9 +189,15 @@ class ApiWorkers:
             deadline = time.monotonic() + self.config.shutdown_grace + KILL_AFTER_GRACE_S
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            await self.server.stop(0)
+        except asyncio.CancelledError:  # told to stop at once (a second Ctrl-C): killing them is what was asked
+            at_once = AT_ONCE
+            raise
         finally:
-            self.close_now()
+            self.close_now(at_once)
+            for proc in self.procs:  # killed: gone at once; the link must not stop while their connections reset
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(KILL_WAIT_S)
+            await self.server.stop(0)  # here, even when cancelled: not when grpc collects it after the loop closed
 
     def close_now(self, starting: str = "") -> None:
         """Kill what still runs and remove the link's directory; safe to call more than once, and when cancelled.

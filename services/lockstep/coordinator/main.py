@@ -13,14 +13,22 @@ from typing import Any, TypeVar
 import grpc
 from aiohttp import web
 
-from lockstep.coordinator.api_workers import ApiWorkers
+from lockstep.coordinator.api_workers import AT_ONCE, ApiWorkers
 from lockstep.coordinator.config import CoordinatorConfig, parse_config
 from lockstep.coordinator.group_list import parse_group_list
 from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.loop_watchdog import LoopWatchdog
 from lockstep.coordinator.openai_api import OpenAIServer, run_app
 from lockstep.coordinator.service import Coordinator
-from lockstep.coordinator.stopping import STOP_SLACK_S, bounded, dump_on_sigusr1, errors_exit, exit_status, run_to_end
+from lockstep.coordinator.stopping import (
+    STOP_SLACK_S,
+    abandon,
+    bounded,
+    dump_on_sigusr1,
+    errors_exit,
+    exit_status,
+    run_to_end,
+)
 from lockstep.model.config import ModelConfig
 from lockstep.tokenizer import Tokenizer
 
@@ -101,17 +109,37 @@ async def run(
         coord.group_up_listeners.append(on_group_up)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    grace = config.shutdown_grace
+    main = asyncio.current_task()
+    signals = (signal.SIGINT, signal.SIGTERM)
 
     def on_signal() -> None:
-        """The first Ctrl-C / SIGTERM stops gracefully; the handlers go, so a second one stops at once."""
-        progress(f"stopping: requests in flight have {grace:g} s to finish (again to stop now)")
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(s)
+        """The first Ctrl-C / SIGTERM stops gracefully. A second stops at once: it cancels the run, whose clean-ups
+        still run (a KeyboardInterrupt raised wherever the loop was, inside grpc's poller, left grpc to crash as
+        its servers stopped); a third is Python's own."""
+        if stop.is_set():
+            for s in signals:
+                loop.remove_signal_handler(s)
+            if main is not None:
+                main.cancel(AT_ONCE)
+            return
+        progress(f"stopping: requests in flight have {config.shutdown_grace:g} s to finish (again to stop now)")
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal)
+    try:
+        return await _run(config, coord, stop, supervise, on_ready, progress)
+    except asyncio.CancelledError as exc:
+        if exc.args != (AT_ONCE,):
+            raise
+        return 130  # as for a KeyboardInterrupt
+
+
+async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Event,
+               supervise: Coroutine[Any, Any, None] | None, on_ready: Callable[[], None] | None,
+               progress: Callable[[str], None]) -> int:
+    """Start, serve until a stop or until `supervise` ends, then stop in order (the exit status)."""
+    grace = config.shutdown_grace
     progress(f"waiting for {sum(len(a) for a in config.groups.values())} rank(s) to load the model and form "
              f"their group(s)")
     coord.start()
@@ -130,14 +158,19 @@ async def run(
         return 0
     watchdog = LoopWatchdog(config.watchdog_timeout) if config.watchdog_timeout else None
     if watchdog is not None:  # from here on the loop only serves: nothing may hold it for long
-        watchdog.start(loop)
+        watchdog.start(asyncio.get_running_loop())
+    at_once = ""
     try:
         return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
+    except asyncio.CancelledError:  # a second Ctrl-C: what still runs is stopped now, as asked, and is no error
+        at_once = AT_ONCE
+        await grpc_server.stop(0)  # here, not when grpc collects it after the loop has closed
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()
         if isinstance(runner, ApiWorkers):
-            runner.close_now()  # whatever stopped the run: no frontend and no link directory outlives it
+            runner.close_now(at_once)  # whatever stopped the run: no frontend and no link directory outlives it
 
 
 async def _listen(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Event, progress: Callable[[str], None]
@@ -196,7 +229,14 @@ async def _stop_servers(coord: Coordinator, grace: float, *stops: Awaitable[Any]
     # streams still open after it end with an error event: aiohttp cuts a handler only after twice its
     # shutdown timeout, and a streaming one was seen to run to its end (test_shutdown)
     stopping = asyncio.ensure_future(asyncio.gather(*stops))
-    if not (await asyncio.wait({stopping}, timeout=grace))[0]:
+    try:
+        waited = await asyncio.wait({stopping}, timeout=grace)
+    except asyncio.CancelledError:  # a second Ctrl-C during the grace: they stop now, and finish their clean-ups
+        stopping.cancel()
+        await asyncio.wait({stopping}, timeout=STOP_SLACK_S)
+        abandon(stopping)
+        raise
+    if not waited[0]:
         coord.end_streams(f"the server is shutting down: requests in flight had {grace:g} s to finish")
     # past this, whatever still waits is a bug: it is logged with every task's stack, and the stop goes on
     await bounded(stopping, max(grace, STOP_SLACK_S), "the HTTP and gRPC servers to stop")

@@ -72,14 +72,21 @@ async def bounded(work: Awaitable[Any], timeout: float, what: str) -> None:
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
-        task.cancel()
+        abandon(task)
         raise
     if done:
         task.result()
         return
     log.error("waited %g s for %s; going on without them. Where every task waits:", timeout, what)
     log_tasks()
+    abandon(task)
+
+
+def abandon(task: asyncio.Future) -> None:
+    """Cancel `task`, and take its end when it comes: nobody awaits it any more, and asyncio would log the error
+    of a future never retrieved (a gather's CancelledError, with the traceback of whatever interrupted)."""
     task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def run_to_end(main: Coroutine[Any, Any, int], timeout: float = STOP_SLACK_S) -> int:

@@ -174,13 +174,20 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                     f" from rank {report.rank}"
                 )
         except Exception as e:
-            log.exception("rank %d: step %d failed", self.rank, plan.step)
             report = Report(step=plan.step, rank=self.rank, error=f"{type(e).__name__}: {e}")
-            if isinstance(e, GroupBroken):
-                self._broken = str(e)
-                if self._on_fatal is not None:
-                    self._on_fatal(str(e))
+            self._failed(plan.step, e)
         return replace(report, timings=replace(report.timings, rank_step_s=time.perf_counter() - t0))
+
+    def _failed(self, step: int, e: Exception) -> None:
+        """Say a step's failure; a broken group is said once, by `_on_fatal`: an error, or a warning where the rank
+        was told to stop and its peers went first (a Ctrl-C under load), which is no fault."""
+        broken = isinstance(e, GroupBroken)
+        level = logging.DEBUG if broken and self._on_fatal is not None else logging.ERROR
+        log.log(level, "rank %d: step %d failed", self.rank, step, exc_info=e)
+        if broken:
+            self._broken = str(e)
+            if self._on_fatal is not None:
+                self._on_fatal(str(e))
 
     def _stage_next(self, stream: StepStream, current: Plan, busy: Callable[[], float]) -> None:
         """Called by the engine while the device runs `current`'s forward: the stream's next plan, once it
