@@ -257,6 +257,30 @@ def test_a_body_over_the_limit_is_a_413_with_the_openai_body():
     assert str(MAX_BODY_BYTES) in answer["error"]["message"] and fe.asked == []
 
 
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400_not_a_500(caplog):
+    """Found by a fault-finding helper: a body sent with `Content-Encoding: gzip` that is not gzip (a client that
+    sets the header and forgets to compress) was a 500 "internal error", logged at ERROR twice with a traceback
+    (by the API, then by aiohttp draining the body): a client's mistake paged whoever watches the errors. Now a
+    400 with OpenAI's body that says why, and one WARNING line."""
+    import gzip
+    import logging
+
+    fe = FakeFrontend(tokens("Hello"))
+    sent = json.dumps(OK_PROMPT).encode()
+
+    async def post(c, data):
+        resp = await c.post(C, data=data, headers={"Content-Encoding": "gzip"})
+        return resp.status, await resp.json()
+
+    with caplog.at_level(logging.INFO):
+        (bad, answer), (good, _) = _http(fe, [lambda c: post(c, sent), lambda c: post(c, gzip.compress(sent))])
+    assert bad == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    assert "content-encoding" in answer["error"]["message"].lower()
+    assert good == 200 and len(fe.asked) == 1  # a body that is gzip still reads
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert all(r.exc_info is None for r in caplog.records if r.name == "aiohttp.server")
+
+
 def test_query_parameters_are_checked_like_fields():
     fe = FakeFrontend([])
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 import lockstep
 from lockstep.coordinator.auth import ApiKeys
@@ -52,12 +53,14 @@ _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
 
 class _MalformedRequests(logging.Filter):
     """aiohttp logs a traceback at ERROR for each request its parser refuses (a port scanner's, a header over
-    8 KB, a method of a megabyte): one WARNING line each instead, cut short, so a bad client cannot fill the log
-    or page whoever watches its errors. The client still gets aiohttp's 400."""
+    8 KB, a method of a megabyte), and for a body it could not decode as it drains it after the answer (a
+    Content-Encoding the bytes are not in): one WARNING line each instead, cut short, so a bad client cannot fill
+    the log or page whoever watches its errors. The client still gets a 400."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError) and record.levelno > logging.WARNING:  # aiohttp's DEBUG ones stay
+        malformed = isinstance(exc, (HttpProcessingError, RequestPayloadError))
+        if malformed and record.levelno > logging.WARNING:  # aiohttp's DEBUG ones stay
             text = " ".join(str(exc).split())  # one line: the parser's message spans several
             args = record.args if isinstance(record.args, tuple) else ()
             record.levelno, record.levelname = logging.WARNING, "WARNING"
@@ -113,6 +116,12 @@ class OpenAIServer:
         except (ClientGone, ConnectionResetError):
             log.info("client of %s %s went away; its request is aborted", request.method, request.path)
             return web.Response(status=499)
+        except RequestPayloadError as exc:  # the body is not in its Content-Encoding (the client's mistake)
+            why = " ".join(str(exc.__cause__ or exc).split())
+            resp = web.json_response(ApiError(400, f"the request body could not be read: {why[:200]}").body(),
+                                     status=400)
+            resp.force_close()  # the rest of the body cannot be read either: the connection ends with this answer
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
