@@ -143,3 +143,55 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(path, body):
     status, longest = asyncio.run(go())
     assert status in (200, 400)  # 400: longer than the fake model's context, found once tokenized
     assert longest < max(alone / 4, 0.25), (longest, alone)  # the loop ran on: ticks every few ms, not seconds
+
+
+def test_a_long_list_of_ids_is_detokenized_off_the_event_loop(monkeypatch):
+    """Found by a fault-finding helper: /detokenize parsed, checked and decoded its ids on the event loop. A body
+    of 4 MB holds 2 million ids, a second and a half of work: six such calls at once stalled another client's
+    stream for 6.7 s on the built-in model (and in one process the step loop shares that loop), as /tokenize's
+    large texts did before they went to a thread. A large body is now parsed there, and a long list checked and
+    decoded there, with the backend's batch call, which releases the GIL; the answer is the same."""
+    from lockstep.coordinator import openai_api
+    from lockstep.coordinator.prompt_encoding import OFF_LOOP_CHARS
+    from lockstep.tokenizer import Tokenizer
+
+    on_loop: list[bool] = []
+    parsed_on_loop: list[bool] = []
+    load_body = openai_api.load_body
+
+    def recording_load_body(raw: bytes) -> dict:
+        parsed_on_loop.append(running_loop())
+        return load_body(raw)
+
+    monkeypatch.setattr(openai_api, "load_body", recording_load_body)
+
+    def running_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    class Recording(Tokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            on_loop.append(running_loop())
+            return super().decode(ids, skip_special_tokens)
+
+        def decode_unlocked(self, ids, skip_special_tokens=True):
+            on_loop.append(running_loop())
+            return super().decode_unlocked(ids, skip_special_tokens)
+
+    class Frontend(ChatFrontend):
+        tokenizer = Recording(TOK._backend, {}, None, {0})
+
+    ids = TOK.encode("Hello world")
+    many = ids * (OFF_LOOP_CHARS // len(ids) + 1)
+    fe = Frontend(tokens("Hello"))
+    (s1, short), (s2, long), (s3, bad) = _http(fe, [lambda c: _post(c, D, {"tokens": ids}),
+                                                    lambda c: _post(c, D, {"tokens": many}),
+                                                    lambda c: _post(c, D, {"tokens": [*many, 10**9]})])
+    assert (s1, s2, s3) == (200, 200, 400)
+    assert short == {"prompt": TOK.decode(ids, False)} and long == {"prompt": TOK.decode(many, False)}
+    assert bad["error"]["param"] == "tokens" and "outside the vocabulary" in bad["error"]["message"]
+    assert on_loop[0] is True and on_loop[1:] == [False, False]  # a short list decodes at once; long ones in a thread
+    assert parsed_on_loop == [True, False, False]  # and so is a body parsed

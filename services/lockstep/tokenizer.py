@@ -206,6 +206,13 @@ class Tokenizer:
         self._check_ids(ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_unlocked(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """`decode`, releasing the GIL while the backend runs (its batch call does, its single call does not): for a
+        thread, so that the event loop goes on while millions of ids are decoded."""
+        ids = list(ids)
+        self._check_ids(ids)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprobs `bytes`, which rebuild the text when concatenated): a
         character split over tokens has some of its bytes in each, where the token's text alone is U+FFFD."""

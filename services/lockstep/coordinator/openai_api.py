@@ -42,8 +42,9 @@ from lockstep.coordinator.openai_fields import (
 )
 from lockstep.coordinator.openai_output import ClientGone, Shape, internal_error, respond
 from lockstep.coordinator.openapi import OPEN_PATHS, QUERY_PARAMS, openapi_document
-from lockstep.coordinator.prompt_encoding import encode_prompt, off_loop
+from lockstep.coordinator.prompt_encoding import OFF_LOOP_CHARS, encode_prompt, off_loop
 from lockstep.coordinator.request_events import settled
+from lockstep.tokenizer import Tokenizer
 
 log = logging.getLogger("lockstep.api")
 SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordinator is told to stop
@@ -153,7 +154,7 @@ class OpenAIServer:
 
     async def _json(self, request: web.Request, endpoint: str, body: dict | None = None) -> dict:
         """The body (read now unless given), its fields checked for `endpoint`, and the model it names."""
-        body = load_body(await request.read()) if body is None else body
+        body = await _read_body(request) if body is None else body
         check_fields(body, endpoint, max_logprobs_of(self.frontend))
         if endpoint != "reset_prefix_cache":
             check_model(self.frontend, json_field(body, "model", (str,)))
@@ -189,7 +190,7 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered by the chat template as /v1/chat would,
         to token ids, so a client can count tokens against max_model_len before it sends a request."""
-        raw = load_body(await request.read())
+        raw = await _read_body(request)
         body = await self._json(request, "tokenize_chat" if "messages" in raw else "tokenize", raw)
         tokenizer = self.frontend.tokenizer
         if "messages" in body:
@@ -212,12 +213,10 @@ class OpenAIServer:
         """POST /detokenize (vLLM's): token ids to their text, special tokens kept, so it inverts /tokenize."""
         body = await self._json(request, "detokenize")
         tokens = json_field(body, "tokens", (list,))
-        if tokens is None or not all(is_json_integer(t) for t in tokens):
+        if tokens is None:
             raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
-        try:
-            text = self.frontend.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "tokens") from exc
+        # 4 MB of ids (2 million) take a second and a half to check and decode: in a thread, as /tokenize's texts
+        text = await off_loop(len(tokens), _detokenized, self.frontend.tokenizer, tokens, len(tokens) > OFF_LOOP_CHARS)
         return web.json_response({"prompt": text})
 
     async def _chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -320,6 +319,25 @@ def _group_query(request: web.Request) -> str:
     if not group:
         raise ApiError(400, "'group' is required (the group's name, as in /health)", "group")
     return group
+
+
+async def _read_body(request: web.Request) -> dict:
+    """The request's JSON body, checked (openai_fields.load_body); a large one in a thread, as a long prompt is
+    encoded: 4 MB of token ids take 0.4 s to parse and check."""
+    raw = await request.read()
+    return await off_loop(len(raw), load_body, raw)
+
+
+def _detokenized(tokenizer: Tokenizer, tokens: list, unlocked: bool) -> str:
+    """/detokenize's text: the ids checked, then decoded with their special tokens (`unlocked`: in a thread, by the
+    backend's call that releases the GIL)."""
+    if not all(is_json_integer(t) for t in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+    decode = tokenizer.decode_unlocked if unlocked else tokenizer.decode
+    try:
+        return decode([int(t) for t in tokens], False)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "tokens") from exc
 
 
 def _token_ids(body: dict) -> bool:
