@@ -281,6 +281,38 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400_not_a_500(
     assert all(r.exc_info is None for r in caplog.records if r.name == "aiohttp.server")
 
 
+def test_a_long_prompt_of_token_ids_is_checked_off_the_event_loop(monkeypatch):
+    """Found by a fault-finding helper: a /v1/completions prompt of 2 million token ids (a 4 MB body) had each id
+    checked, converted and range-checked on the event loop before it was found longer than the context: six such
+    requests at once stalled another client's stream for 4.6 s on the built-in model (and in one process the step
+    loop shares that loop). A long list is now checked in the prompt thread, as a long text is encoded, and the
+    context length is checked before each id's range."""
+    from lockstep.coordinator import openai_api
+    from lockstep.coordinator.prompt_encoding import OFF_LOOP_CHARS
+
+    on_loop: list[bool] = []
+    check = openai_api.is_json_integer
+
+    def recording(value: object) -> bool:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return check(value)
+
+    monkeypatch.setattr(openai_api, "is_json_integer", recording)
+    fe = FakeFrontend(tokens("Hello"))
+    long = [5] * (OFF_LOOP_CHARS + 1)
+    (s1, _), (s2, too_long), (s3, not_ids) = _http(fe, [lambda c: _post(c, C, OK_PROMPT),
+                                                        lambda c: _post(c, C, {"prompt": long}),
+                                                        lambda c: _post(c, C, {"prompt": [*long, "x"]})])
+    assert (s1, s2, s3) == (200, 400, 400) and len(fe.asked) == 1
+    assert too_long["error"]["code"] == "context_length_exceeded"
+    assert not_ids["error"]["param"] == "prompt" and "list of token ids" in not_ids["error"]["message"]
+    assert on_loop[:2] == [True, True] and set(on_loop[2:]) == {False}  # a short prompt at once; long ones in a thread
+
+
 def test_query_parameters_are_checked_like_fields():
     fe = FakeFrontend([])
 

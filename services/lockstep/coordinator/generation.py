@@ -310,6 +310,10 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
     limit = model.max_model_len
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    room = limit - len(prompt_ids)
+    if room < 1:  # before each id's range: a prompt of millions of ids is refused at once
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
     vocab = model.tokenizer.vocab_size
     if any(t < 0 or t >= vocab for t in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -317,10 +321,6 @@ def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]
         raise ApiError(400, f"'stop_token_ids' must be token ids in [0, {vocab})", "stop_token_ids")
     if any(not 0 <= t < vocab for t, _ in sampling.params.logit_bias):
         raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab})", "logit_bias")
-    room = limit - len(prompt_ids)
-    if room < 1:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                            f"{len(prompt_ids)} tokens", "prompt", "context_length_exceeded")
     max_tokens = sampling.max_tokens
     if max_tokens is None:
         max_tokens = room

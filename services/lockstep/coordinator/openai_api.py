@@ -50,6 +50,7 @@ log = logging.getLogger("lockstep.api")
 SHUTDOWN_GRACE_S = 5.0  # how long streams in flight may go on once the coordinator is told to stop
 KEEP_ALIVE_S = 5.0  # how long an idle connection stays open (config.http_keep_alive)
 _QUERY_INT = re.compile(r"-?[0-9]{1,18}")
+_PROMPT_KINDS = "'prompt' must be a string or a list of token ids"
 
 
 class _MalformedRequests(logging.Filter):
@@ -169,10 +170,10 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = await encode_prompt(self.frontend.tokenizer, prompt)
-        elif isinstance(prompt, list) and all(is_json_integer(t) for t in prompt):
-            prompt_ids = [int(t) for t in prompt]
+        elif isinstance(prompt, list):  # millions of ids take a second to check: in a thread, as a long text
+            prompt_ids = await off_loop(len(prompt), _prompt_ids, prompt)
         else:
-            raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+            raise ApiError(400, _PROMPT_KINDS, "prompt")
         spec = build_spec(self.frontend, SamplingFields.from_json(body), prompt_ids)
         echo = ""
         if check_echo(body):  # the prompt's text: as given, or its token ids decoded with their special tokens
@@ -326,6 +327,13 @@ async def _read_body(request: web.Request) -> dict:
     encoded: 4 MB of token ids take 0.4 s to parse and check."""
     raw = await request.read()
     return await off_loop(len(raw), load_body, raw)
+
+
+def _prompt_ids(prompt: list) -> list[int]:
+    """A completion's prompt given as token ids (JSON integers), or a 400."""
+    if not all(is_json_integer(t) for t in prompt):
+        raise ApiError(400, _PROMPT_KINDS, "prompt")
+    return [int(t) for t in prompt]
 
 
 def _detokenized(tokenizer: Tokenizer, tokens: list, unlocked: bool) -> str:
