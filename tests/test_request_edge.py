@@ -313,6 +313,28 @@ def test_a_long_prompt_of_token_ids_is_checked_off_the_event_loop(monkeypatch):
     assert on_loop[:2] == [True, True] and set(on_loop[2:]) == {False}  # a short prompt at once; long ones in a thread
 
 
+def test_too_many_stop_token_ids_are_refused_before_each_is_checked(monkeypatch):
+    """Found by a fault-finding helper: `stop_token_ids` may hold 128 ids, but a 4 MB body of 1.5 million had each
+    checked and converted on the event loop before their count was: six such requests at once stalled another
+    client's stream for 3.7 s on the built-in model. Only one past the limit is looked at: the count refuses it."""
+    from lockstep.coordinator import generation
+
+    checked: list[object] = []
+    check = generation.is_json_integer
+
+    def counting(value: object) -> bool:
+        checked.append(value)
+        return check(value)
+
+    monkeypatch.setattr(generation, "is_json_integer", counting)
+    fe = FakeFrontend(tokens("Hello"))
+    (s1, _), (s2, refused) = _http(fe, [lambda c: _post(c, C, {**OK_PROMPT, "stop_token_ids": [7] * 128}),
+                                        lambda c: _post(c, C, {**OK_PROMPT, "stop_token_ids": [7] * 100_000})])
+    assert (s1, s2) == (200, 400) and refused["error"]["param"] == "stop_token_ids"
+    assert "at most 128" in refused["error"]["message"]
+    assert len(checked) == 128 + 129  # the 128 of the first request; of the 100000, one past the limit
+
+
 def test_query_parameters_are_checked_like_fields():
     fe = FakeFrontend([])
 

@@ -175,7 +175,7 @@ class SamplingFields:
         if max_tokens is None:
             max_tokens = json_field(body, "max_completion_tokens", (int,))
         stop = json_field(body, "stop", (str, list), [])
-        stop_ids = json_field(body, "stop_token_ids", (list,), [])
+        stop_ids = json_field(body, "stop_token_ids", (list,), [])[:MAX_STOP_TOKEN_IDS + 1]  # more: refused by count
         if not all(is_json_integer(t) for t in stop_ids):
             raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
         return cls(temperature, top_p, top_k, seed, n, max_tokens, [stop] if isinstance(stop, str) else stop,
