@@ -335,6 +335,30 @@ def test_too_many_stop_token_ids_are_refused_before_each_is_checked(monkeypatch)
     assert len(checked) == 128 + 129  # the 128 of the first request; of the 100000, one past the limit
 
 
+def test_a_logit_bias_of_too_many_entries_is_refused_before_each_is_checked(monkeypatch):
+    """Found by a fault-finding helper: `logit_bias` may hold 300 entries, but one of 200000 (a 2 MB body) had
+    every key matched and every value converted on the event loop before their count was checked: six such
+    requests at once stalled another client's stream for 2.0 s on the built-in model. The count refuses it first,
+    with the same 400."""
+    from lockstep.coordinator import generation
+
+    converted: list[object] = []
+    real = generation._real
+
+    def counting(value, default, name):
+        converted.append(value)
+        return real(value, default, name)
+
+    monkeypatch.setattr(generation, "_real", counting)
+    fe = FakeFrontend(tokens("Hello"))
+    small, large = ({str(i): 1 for i in range(n)} for n in (5, 100_000))
+    (s1, _), (s2, refused) = _http(fe, [lambda c: _post(c, C, {**OK_PROMPT, "logit_bias": small}),
+                                        lambda c: _post(c, C, {**OK_PROMPT, "logit_bias": large})])
+    assert (s1, s2) == (200, 400) and refused["error"]["param"] == "logit_bias"
+    assert "at most 300 entries, got 100000" in refused["error"]["message"]
+    assert converted.count(1) == 5  # the small one's entries; none of the large one's
+
+
 def test_query_parameters_are_checked_like_fields():
     fe = FakeFrontend([])
 

@@ -189,9 +189,9 @@ class SamplingFields:
 def _logit_bias_json(body: Mapping[str, Any]) -> dict[int, float] | None:
     """OpenAI's `logit_bias`: an object from token ids (decimal strings) to numbers; a 400 naming it otherwise."""
     bias = json_field(body, "logit_bias", (dict,))
-    if bias is None:
-        return None
-    out: dict[int, float] = {}  # (_penalties checks the count)
+    if bias is None or len(bias) > MAX_LOGIT_BIAS:  # too many: stand-ins, whose count _penalties refuses at once
+        return None if bias is None else dict.fromkeys(range(len(bias)), 0.0)
+    out: dict[int, float] = {}
     for key, value in bias.items():
         if not _TOKEN_KEY.fullmatch(key):
             raise ApiError(400, f"'logit_bias' keys must be token ids in decimal, got {_shown(key)}", "logit_bias")
