@@ -193,11 +193,16 @@ class ApiWorkers:
             at_once = AT_ONCE
             raise
         finally:
-            self.close_now(at_once)
-            for proc in self.procs:  # killed: gone at once; the link must not stop while their connections reset
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(KILL_WAIT_S)
-            await self.server.stop(0)  # here, even when cancelled: not when grpc collects it after the loop closed
+            await self.stop_now(at_once)
+
+    async def stop_now(self, starting: str = "") -> None:
+        """Kill what still runs (`starting` as for `close_now`), then stop the link: the end of `cleanup`, and the
+        whole stop where the run is told to stop at once before `cleanup` began."""
+        self.close_now(starting)
+        for proc in self.procs:  # killed: gone at once; the link must not stop while their connections reset
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(KILL_WAIT_S)
+        await self.server.stop(0)  # here, even when cancelled: not when grpc collects it after the loop closed
 
     def close_now(self, starting: str = "") -> None:
         """Kill what still runs and remove the link's directory; safe to call more than once, and when cancelled.

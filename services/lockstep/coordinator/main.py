@@ -165,6 +165,8 @@ async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Even
     except asyncio.CancelledError:  # a second Ctrl-C: what still runs is stopped now, as asked, and is no error
         at_once = AT_ONCE
         await grpc_server.stop(0)  # here, not when grpc collects it after the loop has closed
+        if isinstance(runner, ApiWorkers):  # the link too: the second Ctrl-C may have come before its cleanup ran
+            await runner.stop_now(AT_ONCE)
         raise
     finally:
         if watchdog is not None:

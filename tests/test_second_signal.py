@@ -1,0 +1,90 @@
+"""A second Ctrl-C / SIGTERM stops the coordinator's run at once (exit status 130), wherever the run is when it
+comes, and leaves nothing running or listening behind. Run in this process: the coordinator and its servers are
+stand-ins, and the signals (SIGTERM, handled like SIGINT) go to this process while `run` handles them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from lockstep.coordinator import main
+from lockstep.coordinator.api_workers import ApiWorkers
+from lockstep.coordinator.config import CoordinatorConfig, parse_config
+
+
+def _signal() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # handled at the loop's next turn: two sent here land in the same turn
+
+
+class _Coordinator:
+    """What `run` asks of the coordinator; `on_wait` runs as the serve wait begins."""
+
+    def __init__(self, on_wait=lambda: None) -> None:
+        self.group_up_listeners: list = []
+        self.on_wait = on_wait
+
+    def start(self) -> None:
+        pass
+
+    async def wait_ready(self) -> None:  # no group ever comes up
+        self.on_wait()
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        pass
+
+    def end_streams(self, why: str) -> None:
+        pass
+
+
+async def _grpc_server() -> grpc.aio.Server:
+    server = grpc.aio.server()
+    server.port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server
+
+
+def _run(monkeypatch, config: CoordinatorConfig, coord: _Coordinator, listen, **kwargs) -> tuple[int, list[int]]:
+    """`run`'s exit status, and which of the ports `listen` opened still listen as it returns (its loop still
+    runs then: what it left is not yet collected)."""
+    ports: list[int] = []
+
+    async def listen_noted(*args):
+        grpc_server, runner = await listen(*args)
+        ports.extend(s.port for s in (grpc_server, runner) if hasattr(s, "port"))
+        return grpc_server, runner
+
+    async def go() -> tuple[int, list[int]]:
+        code = await main.run(config, progress=lambda msg: None, **kwargs)
+        return code, [p for p in ports if _listening(p)]
+
+    monkeypatch.setattr(main, "build", lambda config, progress: coord)
+    monkeypatch.setattr(main, "_listen", listen_noted)
+    return asyncio.run(go())
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_two_signals_in_one_turn_of_the_loop_stop_the_frontends_link_too(monkeypatch, tmp_path: Path):
+    """Two SIGTERMs at once (or a second Ctrl-C before the stop's cleanup began): the run was cancelled before
+    ApiWorkers.cleanup ran, and the frontends' link server was left to grpc's collection after the loop closed:
+    'Exception ignored in Server.__del__ ... Event loop is closed' and "coroutine 'AioServer.shutdown' was
+    never awaited" at the exit."""
+    config = parse_config(["--group", "g0=127.0.0.1:1", "--model", str(tmp_path)])
+
+    async def listen(config, coord, stop, progress):
+        link = await _grpc_server()
+        workers = ApiWorkers(config, tmp_path, socket.socket(), tempfile.mkdtemp(dir=tmp_path), link, None)
+        workers.port = link.port
+        return await _grpc_server(), workers
+
+    assert _run(monkeypatch, config, _Coordinator(on_wait=lambda: (_signal(), _signal())), listen) == (130, [])
