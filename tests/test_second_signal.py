@@ -5,6 +5,7 @@ stand-ins, and the signals (SIGTERM, handled like SIGINT) go to this process whi
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import socket
@@ -88,3 +89,25 @@ def test_two_signals_in_one_turn_of_the_loop_stop_the_frontends_link_too(monkeyp
         return await _grpc_server(), workers
 
     assert _run(monkeypatch, config, _Coordinator(on_wait=lambda: (_signal(), _signal())), listen) == (130, [])
+
+
+def test_a_second_signal_while_the_servers_start_closes_the_supervisor_that_never_ran(monkeypatch, tmp_path: Path):
+    """The first signal while the API frontends start (`_listen`: their start is cancelled and cleans up after
+    itself), the second before that ended: `run` returned 130, and `lockstep serve`'s supervisor coroutine,
+    never started, was left unclosed: "RuntimeWarning: coroutine 'supervise_all' was never awaited" at the exit.
+    The same for a port in use, and for a stop while the frontends start."""
+    config = parse_config(["--group", "g0=127.0.0.1:1", "--model", str(tmp_path)])
+
+    async def listen(config, coord, stop, progress):
+        _signal()
+        await stop.wait()
+        _signal()
+        await asyncio.sleep(60)  # the frontends' start ending, given STOP_SLACK_S: the second signal cuts it
+        raise AssertionError("not reached")
+
+    async def supervise() -> None:
+        raise AssertionError("not reached")
+
+    supervisor = supervise()
+    assert _run(monkeypatch, config, _Coordinator(), listen, supervise=supervisor) == (130, [])
+    assert inspect.getcoroutinestate(supervisor) == inspect.CORO_CLOSED

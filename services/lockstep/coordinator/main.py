@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
@@ -133,6 +134,9 @@ async def run(
         if exc.args != (AT_ONCE,):
             raise
         return 130  # as for a KeyboardInterrupt
+    finally:  # however the run ended before it served (a port in use, a stop or a second Ctrl-C while it started)
+        if supervise is not None and inspect.getcoroutinestate(supervise) == inspect.CORO_CREATED:
+            supervise.close()  # never started: not "coroutine ... was never awaited" at the exit
 
 
 async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Event,
@@ -147,13 +151,9 @@ async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Even
         grpc_server, runner = await _listen(config, coord, stop, progress)
     except OSError as exc:  # a port in use, or an address not this machine's: one line, not a traceback
         progress(f"cannot serve: {exc}")
-        if supervise is not None:
-            supervise.close()  # never started
         await bounded(coord.close(), STOP_SLACK_S, "the groups to close")
         return 1
     if runner is None:  # the stop came while the frontends started: they are killed, the rest stops as after serving
-        if supervise is not None:
-            supervise.close()
         await _stop_servers(coord, grace, grpc_server.stop(grace))
         return 0
     watchdog = LoopWatchdog(config.watchdog_timeout) if config.watchdog_timeout else None
