@@ -111,3 +111,29 @@ def test_a_second_signal_while_the_servers_start_closes_the_supervisor_that_neve
     supervisor = supervise()
     assert _run(monkeypatch, config, _Coordinator(), listen, supervise=supervisor) == (130, [])
     assert inspect.getcoroutinestate(supervisor) == inspect.CORO_CLOSED
+
+
+def test_a_second_signal_while_the_groups_file_watch_ends_is_not_taken_for_its_end(monkeypatch, tmp_path: Path):
+    """With a groups file, the stop cancels its watch and waits for it to end (it may be moving a removed group's
+    requests); a second signal then cancelled that wait, and `contextlib.suppress(CancelledError)` took it for the
+    watch's own end: the run stopped through its whole grace and exited 0, its signal handlers gone."""
+    groups = tmp_path / "groups"
+    groups.write_text("g0=127.0.0.1:1\n")
+    config = parse_config(["--groups-file", str(groups), "--model", str(tmp_path)])
+
+    class Runner:  # the HTTP API's
+        async def cleanup(self) -> None:
+            pass
+
+    async def listen(config, coord, stop, progress):
+        return await _grpc_server(), Runner()
+
+    async def watch(coord, path) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # the stop's: it ends once a change being applied is
+            _signal()
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(main, "watch_groups_file", watch)
+    assert _run(monkeypatch, config, _Coordinator(on_wait=_signal), listen) == (130, [])

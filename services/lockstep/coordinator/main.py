@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import signal
@@ -218,9 +217,7 @@ async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppR
         ready.cancel()
     code = 0 if waiter in done else 1
     if regroup is not None:
-        regroup.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await regroup
+        await _cancelled(regroup)
     await _stop_servers(coord, grace, grpc_server.stop(grace), runner.cleanup())
     return code
 
@@ -243,6 +240,16 @@ async def _stop_servers(coord: Coordinator, grace: float, *stops: Awaitable[Any]
     # past this, whatever still waits is a bug: it is logged with every task's stack, and the stop goes on
     await bounded(stopping, max(grace, STOP_SLACK_S), "the HTTP and gRPC servers to stop")
     await bounded(coord.close(), STOP_SLACK_S, "the groups to close")
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for its end (raising its error, if it failed). Not `await task` with its
+    CancelledError suppressed: a second Ctrl-C while it ends cancels the caller, and that would be taken for the
+    task's own and swallowed, the stop going on through its whole grace."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.result()
 
 
 async def _unless_stopped(start: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
