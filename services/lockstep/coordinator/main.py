@@ -163,9 +163,7 @@ async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Even
         return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
     except asyncio.CancelledError:  # a second Ctrl-C: what still runs is stopped now, as asked, and is no error
         at_once = AT_ONCE
-        await grpc_server.stop(0)  # here, not when grpc collects it after the loop has closed
-        if isinstance(runner, ApiWorkers):  # the link too: the second Ctrl-C may have come before its cleanup ran
-            await runner.stop_now(AT_ONCE)
+        await _stop_now(grpc_server, runner)
         raise
     finally:
         if watchdog is not None:
@@ -220,6 +218,17 @@ async def _serve(config: CoordinatorConfig, coord: Coordinator, runner: web.AppR
         await _cancelled(regroup)
     await _stop_servers(coord, grace, grpc_server.stop(grace), runner.cleanup())
     return code
+
+
+async def _stop_now(grpc_server: grpc.aio.Server, runner: web.AppRunner | ApiWorkers) -> None:
+    """Told to stop at once: every server stops listening now, whether or not the stop's cleanup began (two
+    signals in one turn of the loop cancel the run before it did)."""
+    await grpc_server.stop(0)  # here, not when grpc collects it after the loop has closed
+    if isinstance(runner, ApiWorkers):
+        await runner.stop_now(AT_ONCE)  # the frontends, and then their link
+        return
+    for site in list(runner.sites):  # closes its listening socket: no connection waits on a port nobody serves
+        await site.stop()
 
 
 async def _stop_servers(coord: Coordinator, grace: float, *stops: Awaitable[Any]) -> None:
