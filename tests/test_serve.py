@@ -518,3 +518,31 @@ def test_a_coordinator_whose_http_port_is_taken_says_so_in_one_line_and_exits_1(
         assert out.returncode == 1, said
         assert "cannot serve: " in said and str(http_port) in said and "address already in use" in said.lower(), said
         assert "Traceback" not in said, said
+
+
+def test_a_port_held_on_any_address_of_the_host_is_refused(monkeypatch):
+    """`--host localhost` where /etc/hosts names ::1 and 127.0.0.1 (Debian, Fedora: ::1 first): only the first
+    address was tried, while the HTTP server binds both; a server on 127.0.0.1:P went unseen until the ranks had
+    loaded the model. A family the machine lacks (EADDRNOTAVAIL) is no refusal while another address binds."""
+    from lockstep.serve import taken_port
+
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            pass
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    real = socket.getaddrinfo
+    both = lambda host, port, *args, **kwargs: [*real("::1", port, *args, **kwargs),
+                                                 *real("127.0.0.1", port, *args, **kwargs)]
+    lacking_v6 = lambda host, port, *args, **kwargs: [*real("2001:db8::1", port, *args, **kwargs),  # not ours
+                                                       *real("127.0.0.1", port, *args, **kwargs)]
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        monkeypatch.setattr(socket, "getaddrinfo", both)
+        assert f"cannot listen on localhost:{port}: Address already in use" in taken_port("localhost", [port])
+        monkeypatch.setattr(socket, "getaddrinfo", lacking_v6)
+        assert f"cannot listen on localhost:{port}: Address already in use" in taken_port("localhost", [port])
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    assert taken_port("localhost", [port]) is None
+    monkeypatch.setattr(socket, "getaddrinfo", lacking_v6)
+    assert taken_port("localhost", [port]) is None

@@ -9,6 +9,7 @@ replays the requests it held there on the groups still up; Ctrl-C stops them all
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import sys
@@ -136,16 +137,29 @@ def _default_tp(model_dir: Path, dp: int, say: Callable[[str], None]) -> int:
 
 def taken_port(host: str, ports: Iterable[int]) -> str | None:
     """Why one of `ports` cannot be listened on at `host`, or None. Asked before any rank starts: otherwise a port
-    another server holds is found only once the ranks have loaded the model."""
+    another server holds is found only once the ranks have loaded the model. Every address `host` names is tried,
+    as the HTTP server binds every one (localhost: ::1 and 127.0.0.1 where /etc/hosts names both); one of a family
+    this machine lacks (EADDRNOTAVAIL) only where none binds."""
     for port in ports:
         try:
-            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-            with socket.socket(info[0], socket.SOCK_STREAM) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is free
-                sock.bind(info[4])
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            errors = [e for e in map(_bind_error, infos) if e is not None]
+            held = [e for e in errors if e.errno != errno.EADDRNOTAVAIL]
+            if held or len(errors) == len(infos):
+                raise (held or errors)[0]
         except OSError as exc:
             return (f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server there? --port P takes "
                     f"P for HTTP and P+1 for gRPC)")
+    return None
+
+
+def _bind_error(info: tuple) -> OSError | None:
+    try:
+        with socket.socket(info[0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is free
+            sock.bind(info[4])
+    except OSError as exc:
+        return exc
     return None
 
 
