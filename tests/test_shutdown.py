@@ -158,11 +158,8 @@ def test_a_second_ctrl_c_stops_lockstep_serve_at_once_and_quietly(tiny_llama, tm
         assert noise not in text, text[-4000:]
 
 
-def test_a_sigint_and_a_sigterm_in_one_turn_of_the_loop_stop_the_coordinator_at_once_and_quietly(tiny_llama, tmp_path):
-    """Both signals handled in the same turn of the event loop (here held back together while the process is
-    stopped; a busy loop does the same to two quick Ctrl-Cs): the run was cancelled before the stop's cleanup
-    began, and the frontends' link server was collected after the loop closed, with grpc's 'Exception ignored in
-    Server.__del__' traceback at the exit."""
+def _coordinator_with_a_frontend(model, tmp_path) -> tuple[subprocess.Popen, object]:
+    """`lockstep coordinator --api-workers 1` for a group whose rank never comes, logging to tmp_path."""
     import sys
 
     port = _free_port_pair()
@@ -170,8 +167,17 @@ def test_a_sigint_and_a_sigterm_in_one_turn_of_the_loop_stop_the_coordinator_at_
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "lockstep.cli", "coordinator", "--group", f"g0=127.0.0.1:{free_port()}",
-             "--model", str(tiny_llama), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port",
+             "--model", str(model), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port",
              str(port + 1), "--api-workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    return proc, log_path
+
+
+def test_a_sigint_and_a_sigterm_in_one_turn_of_the_loop_stop_the_coordinator_at_once_and_quietly(tiny_llama, tmp_path):
+    """Both signals handled in the same turn of the event loop (here held back together while the process is
+    stopped; a busy loop does the same to two quick Ctrl-Cs): the run was cancelled before the stop's cleanup
+    began, and the frontends' link server was collected after the loop closed, with grpc's 'Exception ignored in
+    Server.__del__' traceback at the exit."""
+    proc, log_path = _coordinator_with_a_frontend(tiny_llama, tmp_path)
     try:
         deadline = time.monotonic() + 120
         while "no API key set" not in log_path.read_text():  # said as the serve wait begins
@@ -351,15 +357,7 @@ def test_sigterm_while_the_api_frontends_start_stops_the_coordinator_within_its_
     """`--api-workers`: the start waits up to START_TIMEOUT_S (120 s) for every frontend to link, and a SIGTERM
     in that time waited for it too. A frontend that cannot link (stopped here, before it could) is killed, and
     the coordinator exits with 0 within its documented worst case."""
-    import sys
-
-    port = _free_port_pair()
-    log_path = tmp_path / "coordinator.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lockstep.cli", "coordinator", "--group", f"g0=127.0.0.1:{free_port()}",
-             "--model", str(tiny_llama), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port",
-             str(port + 1), "--api-workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    proc, log_path = _coordinator_with_a_frontend(tiny_llama, tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not (frontends := [c for c in psutil.Process(proc.pid).children()
