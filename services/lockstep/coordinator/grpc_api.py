@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import replace
 
 import grpc
@@ -111,28 +111,48 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self._callers_ids: set[str] = set()  # the request_ids callers gave the calls now in progress
+
+    @contextmanager
+    def _call_id(self, rid: str, given: bool) -> Iterator[str]:
+        """The id the coordinator knows a call by. A caller's `request_id` gets a suffix of its own (as vLLM's
+        engine makes external ids unique): a client that cancels a call or hits its deadline and sends the same
+        id at once reached the group while it still held the first request for a step (its release not planned
+        yet, its chunk in the plan built ahead), and that plan's reports, meeting the new request under the old id,
+        failed the group's step loop and every request in it. Two calls at once with one id are still refused."""
+        if not given:
+            yield rid
+            return
+        if rid in self._callers_ids:
+            raise ApiError(409, f"request id {rid!r} is already running", "request_id", "request_id_in_use")
+        self._callers_ids.add(rid)
+        try:
+            yield f"{rid}-{uuid.uuid4().hex[:8]}"
+        finally:
+            self._callers_ids.discard(rid)
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """One message per text piece; the last one carries the finish reason and the usage."""
         try:
             spec, rid = await request_spec(self.frontend, request)
             first, generated = True, 0
-            async with aclosing(generate_text(self.frontend, rid, spec)) as pieces:
-                async for piece in pieces:
-                    msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text,
-                                                         finish_reason=piece.finish_reason or "")
-                    generated += len(piece.token_ids)
-                    if request.return_token_ids:
-                        msg.token_ids.extend(piece.token_ids)
-                        if first:
-                            msg.prompt_token_ids.extend(spec.prompt_ids)
-                    msg.logprobs.extend(logprob_msgs(piece.token_ids, piece.logprobs))
-                    msg.prompt_logprobs.extend(prompt_logprob_msgs(spec, piece.prompt_logprobs))  # the first's
-                    _stop_reason(msg, piece.stop_reason)
-                    if piece.finish_reason is not None:
-                        msg.usage.CopyFrom(_usage(len(spec.prompt_ids), generated, piece.cached_tokens))
-                    first = False
-                    yield msg
+            with self._call_id(rid, bool(request.request_id)) as call_id:
+                async with aclosing(generate_text(self.frontend, call_id, spec)) as pieces:
+                    async for piece in pieces:
+                        msg = inference_pb2.GenerateResponse(request_id=rid, text=piece.text,
+                                                             finish_reason=piece.finish_reason or "")
+                        generated += len(piece.token_ids)
+                        if request.return_token_ids:
+                            msg.token_ids.extend(piece.token_ids)
+                            if first:
+                                msg.prompt_token_ids.extend(spec.prompt_ids)
+                        msg.logprobs.extend(logprob_msgs(piece.token_ids, piece.logprobs))
+                        msg.prompt_logprobs.extend(prompt_logprob_msgs(spec, piece.prompt_logprobs))  # the first's
+                        _stop_reason(msg, piece.stop_reason)
+                        if piece.finish_reason is not None:
+                            msg.usage.CopyFrom(_usage(len(spec.prompt_ids), generated, piece.cached_tokens))
+                        first = False
+                        yield msg
         except ApiError as exc:
             await _abort(context, exc)
 
@@ -141,7 +161,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """The whole answer, with its usage."""
         try:
             spec, rid = await request_spec(self.frontend, request)
-            done = await collect(generate_text(self.frontend, rid, spec))
+            with self._call_id(rid, bool(request.request_id)) as call_id:
+                done = await collect(generate_text(self.frontend, call_id, spec))
         except ApiError as exc:
             await _abort(context, exc)
         usage = _usage(len(spec.prompt_ids), len(done.token_ids), done.cached_tokens)

@@ -1,0 +1,60 @@
+"""The gRPC inference API at its edges, without ranks, over a real channel: a caller's request_id used again, and
+requests that are not a GenerateRequest at all."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from lockstep.coordinator.grpc_api import start_grpc
+from lockstep.coordinator.request import FinishReason
+from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
+from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
+from test_endings import _Endless, _grpc
+from test_generation import FakeFrontend, tokens
+from test_request_edge import _free_port
+
+
+def test_a_request_id_used_again_never_meets_the_request_it_named_before():
+    """Found by a gRPC probe: a client that cancelled a stream (or hit its deadline) and at once sent the same
+    request_id again reached the group while it still held the first request for a step (its release not planned
+    yet, its chunk in the plan built ahead); that plan's reports met the new request under the old id and the
+    group's step loop failed ("Request('same', running, ...) is at 0, its chunk started at 6"), failing every
+    request the group ran. The coordinator now knows each call by an id of its own; the responses carry the
+    caller's, and two calls at once with one id are still refused."""
+    fe = FakeFrontend(tokens("Hello", " wor", reason=FinishReason.LENGTH))
+    done, streamed = _grpc(fe, ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6]), request_id="mine"))
+    (first, _), (second, _) = fe.asked
+    assert first != second and first.startswith("mine") and second.startswith("mine")
+    assert done.request_id == "mine" and {m.request_id for m in streamed} == {"mine"}
+    _grpc(fe, ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6])))  # an id of the server's own: as it is
+    assert all(rid.startswith("cmpl-") and len(rid) == 37 for rid, _ in fe.asked[2:])
+
+    endless = _Endless([])
+
+    async def go() -> tuple[grpc.StatusCode, str]:
+        port = _free_port()
+        server = await start_grpc(endless, "127.0.0.1", port)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                req = ipb.GenerateRequest(text="Hi", request_id="mine")
+                stream = stub.Generate(req)
+                await stream.read()
+                try:
+                    await stub.Complete(req)
+                    code = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                stream.cancel()
+                while not endless.closed:
+                    await asyncio.sleep(0.01)
+                again = stub.Generate(req)
+                msg = await again.read()  # the first call is over: its id is free again
+                again.cancel()
+                return code, msg.request_id
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(go()) == (grpc.StatusCode.ALREADY_EXISTS, "mine")
