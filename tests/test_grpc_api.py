@@ -58,3 +58,36 @@ def test_a_request_id_used_again_never_meets_the_request_it_named_before():
             await server.stop(0)
 
     assert asyncio.run(go()) == (grpc.StatusCode.ALREADY_EXISTS, "mine")
+
+
+def test_bytes_that_are_not_a_generate_request_are_invalid_argument(caplog):
+    """Found by a gRPC probe: a request whose string field is not UTF-8 (a C++ client sends one, warning only in its
+    own log) or whose bytes are no protobuf at all was answered UNKNOWN ("Unexpected <class DecodeError>"), and the
+    server logged a traceback at ERROR for each: a bad client filled the log and paged whoever watches its errors."""
+    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
+    bad = [b"\x12\x02\xff\xfe", b"\x12\x02hi\x4a\x01\xff", b"\xff\xff"]  # text, a stop not UTF-8; no protobuf
+
+    async def go() -> list[tuple[grpc.StatusCode, str]]:
+        port = _free_port()
+        server = await start_grpc(fe, "127.0.0.1", port)
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for method in ("Complete", "Generate"):
+                    kind = channel.unary_unary if method == "Complete" else channel.unary_stream
+                    call = kind(f"/lockstep.v1.InferenceService/{method}")  # the bytes as they are
+                    for raw in bad:
+                        try:
+                            answer = call(raw)
+                            _ = [m async for m in answer] if method == "Generate" else await answer
+                            out.append((grpc.StatusCode.OK, ""))
+                        except grpc.aio.AioRpcError as exc:
+                            out.append((exc.code(), exc.details()))
+            return out
+        finally:
+            await server.stop(0)
+
+    got = asyncio.run(go())
+    assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, got
+    assert all("not a valid GenerateRequest" in details for _, details in got) and not fe.asked
+    assert not [r for r in caplog.records if r.levelno >= 40]

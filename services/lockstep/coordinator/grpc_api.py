@@ -11,8 +11,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
+from typing import NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -51,8 +53,26 @@ def sampling_fields(req: inference_pb2.GenerateRequest) -> SamplingFields:
                           logit_bias=dict(req.logit_bias) or None, **given)
 
 
-async def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest) -> tuple[GenerateSpec, str]:
+class Undecodable(NamedTuple):
+    """Bytes that are not a GenerateRequest, and why (a C++ client sends a string field that is not UTF-8, warning
+    only in its own log): the call answers INVALID_ARGUMENT. With grpc's own decoding it answered UNKNOWN, and
+    the server logged a traceback at ERROR for each such call."""
+
+    error: str
+
+
+def decode_request(data: bytes) -> inference_pb2.GenerateRequest | Undecodable:
+    try:
+        return inference_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return Undecodable(str(exc))
+
+
+async def request_spec(frontend: Frontend, req: inference_pb2.GenerateRequest | Undecodable
+                       ) -> tuple[GenerateSpec, str]:
     """The validated spec of a request and its id (the caller's, or a new one)."""
+    if isinstance(req, Undecodable):
+        raise ApiError(400, f"the request is not a valid GenerateRequest: {req.error}")
     check_model(frontend, req.model or None)
     which = req.WhichOneof("prompt")
     if which == "text":
@@ -275,7 +295,10 @@ async def start_grpc(frontend: Frontend, host: str, port: int, api_keys: Iterabl
     keys = ApiKeys(api_keys)
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [],
                              options=server_options(KEEPALIVE_MS))
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(frontend), server)
+    servicer, encode = InferenceServicer(frontend), inference_pb2.GenerateResponse.SerializeToString
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate, decode_request, encode),
+                "Complete": grpc.unary_unary_rpc_method_handler(servicer.Complete, decode_request, encode)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INFERENCE_SERVICE, handlers),))
     # open like HTTP's /health: a probe and grpcurl need no key (the interceptor guards only inference calls)
     health_pb2_grpc.add_HealthServicer_to_server(InferenceHealth(frontend), server)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
