@@ -91,3 +91,36 @@ def test_bytes_that_are_not_a_generate_request_are_invalid_argument(caplog):
     assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, got
     assert all("not a valid GenerateRequest" in details for _, details in got) and not fe.asked
     assert not [r for r in caplog.records if r.levelno >= 40]
+
+
+def test_a_long_name_a_status_quotes_is_cut_short_so_the_status_reaches_the_client():
+    """Found by a gRPC probe: the status message quoted the request's whole `model` (and Health.Check its whole
+    `service`); gRPC sends the message as a header, and one past 16 KB reached the client as RESOURCE_EXHAUSTED
+    ("received metadata size exceeds hard limit"), not NOT_FOUND."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
+
+    async def go() -> list[tuple[grpc.StatusCode, str]]:
+        port = _free_port()
+        server = await start_grpc(fe, "127.0.0.1", port)
+        calls = [lambda ch: inference_pb2_grpc.InferenceServiceStub(ch).Complete(
+                     ipb.GenerateRequest(text="Hi", model="m" * 100_000)),
+                 lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="s" * 100_000))]
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for call in calls:
+                    try:
+                        await call(channel)
+                        out.append((grpc.StatusCode.OK, ""))
+                    except grpc.aio.AioRpcError as exc:
+                        out.append((exc.code(), exc.details()))
+            return out
+        finally:
+            await server.stop(0)
+
+    (model_code, model_says), (health_code, health_says) = asyncio.run(go())
+    assert (model_code, health_code) == (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND)
+    assert model_says.startswith("The model 'mmm") and "..." in model_says and len(model_says) < 400
+    assert health_says.startswith("unknown service 'sss") and len(health_says) < 100

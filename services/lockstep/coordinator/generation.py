@@ -300,8 +300,8 @@ def _shown(value: object, limit: int = 40) -> str:
 def check_model(model: ServedModel, requested: str | None) -> None:
     """A request may name the served model, and no other (None: the served one)."""
     if requested is not None and requested != model.model_name:
-        raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{model.model_name}'",
-                       "model", "model_not_found", "NotFoundError")
+        raise ApiError(404, f"The model {_shown(requested, 256)} does not exist; this server serves "  # cut short: gRPC
+                            f"'{model.model_name}'", "model", "model_not_found", "NotFoundError")  # sends it as header
 
 
 def build_spec(model: ServedModel, fields: SamplingFields, prompt_ids: list[int]) -> GenerateSpec:

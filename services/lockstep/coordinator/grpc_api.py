@@ -7,6 +7,7 @@ generation.py validates them; nothing here knows about the HTTP API.
 from __future__ import annotations
 
 import asyncio
+import reprlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
@@ -262,7 +263,7 @@ class InferenceHealth(health_pb2_grpc.HealthServicer):
         """The status now; NOT_FOUND for an unknown service, as the standard asks."""
         status = self._status(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {reprlib.repr(request.service)}")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
