@@ -7,12 +7,14 @@ import asyncio
 
 import grpc
 
+from lockstep import grpc_options
+from lockstep.coordinator.generation import GenerateSpec, TokenEvent
 from lockstep.coordinator.grpc_api import start_grpc
 from lockstep.coordinator.request import FinishReason
 from lockstep.proto_gen.lockstep.v1 import inference_pb2 as ipb
 from lockstep.proto_gen.lockstep.v1 import inference_pb2_grpc
 from test_endings import _Endless, _grpc
-from test_generation import FakeFrontend, tokens
+from test_generation import FakeFrontend, tid, tokens
 from test_request_edge import _free_port
 
 
@@ -124,3 +126,44 @@ def test_a_long_name_a_status_quotes_is_cut_short_so_the_status_reaches_the_clie
     assert (model_code, health_code) == (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND)
     assert model_says.startswith("The model 'mmm") and "..." in model_says and len(model_says) < 400
     assert health_says.startswith("unknown service 'sss") and len(health_says) < 100
+
+
+SLOW_TOKENS = 14
+
+
+class _Slow(FakeFrontend):
+    """A generation of seven seconds, one token every half second."""
+
+    def generate(self, request_id: str, spec: GenerateSpec):
+        self.asked.append((request_id, spec))
+        return self._slow()
+
+    async def _slow(self):
+        for _ in range(SLOW_TOKENS):
+            await asyncio.sleep(0.5)
+            yield TokenEvent(tid(" wor"), None, 0)
+        yield TokenEvent(None, FinishReason.LENGTH, 0)
+
+
+def test_a_client_that_pings_as_often_as_the_server_allows_keeps_its_long_complete_call(monkeypatch):
+    """Found by a gRPC probe: grpc's servers let a client ping once per 5 minutes while no data flows, and answer
+    the third ping sooner with GOAWAY "too_many_pings"; a Complete call sends nothing until its generation ends, so
+    a client with keepalive every 10-30 s (Go's and Java's shortest; set to outlive a load balancer's idle timeout)
+    lost its call as UNAVAILABLE after a minute or two, its request aborted. Here the allowed interval is scaled
+    down (MIN_CLIENT_PING_MS) and the client pings every second for a call of seven (GOAWAY after five before)."""
+    monkeypatch.setattr(grpc_options, "MIN_CLIENT_PING_MS", 500, raising=False)
+    fe = _Slow([])
+    pinging = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
+               ("grpc.http2.max_pings_without_data", 0)]
+
+    async def go() -> ipb.GenerateResponse:
+        port = _free_port()
+        server = await start_grpc(fe, "127.0.0.1", port)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=pinging) as channel:
+                return await inference_pb2_grpc.InferenceServiceStub(channel).Complete(ipb.GenerateRequest(text="Hi"))
+        finally:
+            await server.stop(0)
+
+    done = asyncio.run(go())
+    assert done.finish_reason == "length" and done.usage.completion_tokens == SLOW_TOKENS

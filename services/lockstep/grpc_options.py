@@ -17,15 +17,21 @@ from typing import Any
 import grpc
 
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+# How often a client may ping a server that pings its peers. grpc's servers allow a client's ping once per 5 minutes
+# while no data flows and answer the third one sooner with GOAWAY "too_many_pings": a client with keepalive every
+# 10-30 s (Go's and Java's shortest is 10 s; clients set it to keep a load balancer's idle timeout off) lost its
+# long Complete call, which sends nothing until its generation ends, as UNAVAILABLE after a minute or two.
+MIN_CLIENT_PING_MS = 5_000
 
 
 def server_options(keepalive_ms: int | None = None) -> list[tuple[str, int]]:
     """A port of its own and, with `keepalive_ms`, a ping every `keepalive_ms`; a peer that leaves one unanswered
-    for as long is dropped."""
+    for as long is dropped, and one that pings at most every MIN_CLIENT_PING_MS is let be."""
     if keepalive_ms is None:
         return [EXCLUSIVE_PORT]
     return [EXCLUSIVE_PORT, ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
-            ("grpc.http2.ping_timeout_ms", keepalive_ms)]
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS)]
 
 
 def add_port(server: Any, address: str, what: str, credentials: grpc.ServerCredentials | None = None) -> int:
