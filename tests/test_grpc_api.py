@@ -167,3 +167,29 @@ def test_a_client_that_pings_as_often_as_the_server_allows_keeps_its_long_comple
 
     done = asyncio.run(go())
     assert done.finish_reason == "length" and done.usage.completion_tokens == SLOW_TOKENS
+
+
+def test_the_inference_port_binds_an_ipv6_host():
+    """Found by a gRPC probe: `--host ::` (a dual-stack or IPv6-only cluster; the HTTP API and the ranks bind it)
+    failed the coordinator's start: its gRPC address was ":::8001", which grpc reads as a host without a port."""
+    import socket
+
+    import pytest
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+
+    async def go() -> int:
+        port = _free_port()
+        server = await start_grpc(FakeFrontend([]), "::", port)
+        try:
+            async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
+                return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(go()) == health_pb2.HealthCheckResponse.SERVING

@@ -34,6 +34,12 @@ def server_options(keepalive_ms: int | None = None) -> list[tuple[str, int]]:
             ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS)]
 
 
+def host_port(host: str, port: int) -> str:
+    """gRPC's address of a host and port: an IPv6 literal in brackets ("::" alone read as a host without a port,
+    so `--host ::` could not bind the coordinator's gRPC port at all)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def add_port(server: Any, address: str, what: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """Bind `server` (sync or aio) to `address`, and the port it got; an OSError naming `what` where it cannot."""
     try:

@@ -33,7 +33,7 @@ from lockstep.coordinator.generation import (
 )
 from lockstep.coordinator.openai_fields import max_logprobs_of
 from lockstep.coordinator.prompt_encoding import encode_prompt
-from lockstep.grpc_options import add_port, server_options
+from lockstep.grpc_options import add_port, host_port, server_options
 from lockstep.proto_gen.lockstep.v1 import inference_pb2, inference_pb2_grpc
 from lockstep.steps import TokenLogprobs
 
@@ -303,6 +303,6 @@ async def start_grpc(frontend: Frontend, host: str, port: int, api_keys: Iterabl
     # open like HTTP's /health: a probe and grpcurl need no key (the interceptor guards only inference calls)
     health_pb2_grpc.add_HealthServicer_to_server(InferenceHealth(frontend), server)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    add_port(server, f"{host}:{port}", "the coordinator's gRPC server")
+    add_port(server, host_port(host, port), "the coordinator's gRPC server")
     await server.start()
     return server
