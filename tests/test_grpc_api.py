@@ -4,6 +4,7 @@ requests that are not a GenerateRequest at all."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 
@@ -62,53 +63,12 @@ def test_a_request_id_used_again_never_meets_the_request_it_named_before():
     assert asyncio.run(go()) == (grpc.StatusCode.ALREADY_EXISTS, "mine")
 
 
-def test_bytes_that_are_not_a_generate_request_are_invalid_argument(caplog):
-    """Found by a gRPC probe: a request whose string field is not UTF-8 (a C++ client sends one, warning only in its
-    own log) or whose bytes are no protobuf at all was answered UNKNOWN ("Unexpected <class DecodeError>"), and the
-    server logged a traceback at ERROR for each: a bad client filled the log and paged whoever watches its errors."""
-    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
-    bad = [b"\x12\x02\xff\xfe", b"\x12\x02hi\x4a\x01\xff", b"\xff\xff"]  # text, a stop not UTF-8; no protobuf
+def _statuses(fe: FakeFrontend, calls: list) -> list[tuple[grpc.StatusCode, str]]:
+    """Each call (given a channel to a server for `fe`) made in turn: its status code and details."""
 
     async def go() -> list[tuple[grpc.StatusCode, str]]:
         port = _free_port()
         server = await start_grpc(fe, "127.0.0.1", port)
-        out = []
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                for method in ("Complete", "Generate"):
-                    kind = channel.unary_unary if method == "Complete" else channel.unary_stream
-                    call = kind(f"/lockstep.v1.InferenceService/{method}")  # the bytes as they are
-                    for raw in bad:
-                        try:
-                            answer = call(raw)
-                            _ = [m async for m in answer] if method == "Generate" else await answer
-                            out.append((grpc.StatusCode.OK, ""))
-                        except grpc.aio.AioRpcError as exc:
-                            out.append((exc.code(), exc.details()))
-            return out
-        finally:
-            await server.stop(0)
-
-    got = asyncio.run(go())
-    assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, got
-    assert all("not a valid GenerateRequest" in details for _, details in got) and not fe.asked
-    assert not [r for r in caplog.records if r.levelno >= 40]
-
-
-def test_a_long_name_a_status_quotes_is_cut_short_so_the_status_reaches_the_client():
-    """Found by a gRPC probe: the status message quoted the request's whole `model` (and Health.Check its whole
-    `service`); gRPC sends the message as a header, and one past 16 KB reached the client as RESOURCE_EXHAUSTED
-    ("received metadata size exceeds hard limit"), not NOT_FOUND."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
-
-    async def go() -> list[tuple[grpc.StatusCode, str]]:
-        port = _free_port()
-        server = await start_grpc(fe, "127.0.0.1", port)
-        calls = [lambda ch: inference_pb2_grpc.InferenceServiceStub(ch).Complete(
-                     ipb.GenerateRequest(text="Hi", model="m" * 100_000)),
-                 lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="s" * 100_000))]
         out = []
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -122,7 +82,40 @@ def test_a_long_name_a_status_quotes_is_cut_short_so_the_status_reaches_the_clie
         finally:
             await server.stop(0)
 
-    (model_code, model_says), (health_code, health_says) = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_bytes_that_are_not_a_generate_request_are_invalid_argument(caplog):
+    """Found by a gRPC probe: a request whose string field is not UTF-8 (a C++ client sends one, warning only in its
+    own log) or whose bytes are no protobuf at all was answered UNKNOWN ("Unexpected <class DecodeError>"), and the
+    server logged a traceback at ERROR for each: a bad client filled the log and paged whoever watches its errors."""
+    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
+    bad = [b"\x12\x02\xff\xfe", b"\x12\x02hi\x4a\x01\xff", b"\xff\xff"]  # text, a stop not UTF-8; no protobuf
+
+    async def send(channel: grpc.aio.Channel, method: str, raw: bytes) -> None:
+        if method == "Complete":
+            await channel.unary_unary(f"/lockstep.v1.InferenceService/{method}")(raw)  # the bytes as they are
+        else:
+            _ = [m async for m in channel.unary_stream(f"/lockstep.v1.InferenceService/{method}")(raw)]
+
+    got = _statuses(fe, [functools.partial(send, method=m, raw=raw) for m in ("Complete", "Generate") for raw in bad])
+    assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, got
+    assert all("not a valid GenerateRequest" in details for _, details in got) and not fe.asked
+    assert not [r for r in caplog.records if r.levelno >= 40]
+
+
+def test_a_long_name_a_status_quotes_is_cut_short_so_the_status_reaches_the_client():
+    """Found by a gRPC probe: the status message quoted the request's whole `model` (and Health.Check its whole
+    `service`); gRPC sends the message as a header, and one past 16 KB reached the client as RESOURCE_EXHAUSTED
+    ("received metadata size exceeds hard limit"), not NOT_FOUND."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    fe = FakeFrontend(tokens("Hello", reason=FinishReason.LENGTH))
+
+    calls = [lambda ch: inference_pb2_grpc.InferenceServiceStub(ch).Complete(
+                 ipb.GenerateRequest(text="Hi", model="m" * 100_000)),
+             lambda ch: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="s" * 100_000))]
+    (model_code, model_says), (health_code, health_says) = _statuses(fe, calls)
     assert (model_code, health_code) == (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND)
     assert model_says.startswith("The model 'mmm") and "..." in model_says and len(model_says) < 400
     assert health_says.startswith("unknown service 'sss") and len(health_says) < 100
