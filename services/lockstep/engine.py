@@ -69,6 +69,13 @@ class _Staged:
     attention: dict[str, AttentionBatch] | None
 
 
+def _as_columns(plan: Plan) -> Plan:
+    """The plan with its batch as columns, as read off the wire; one made here (tests, benchmarks) is converted."""
+    if isinstance(plan.batch, ChunkColumns):
+        return plan
+    return dataclasses.replace(plan, batch=ChunkColumns.of(plan.batch))
+
+
 class Engine:
     """One rank's shard of the model and its KV memory; the pages' bookkeeping is its RankCache."""
 
@@ -151,8 +158,8 @@ class Engine:
                 raise GroupBroken(f"rank {self.comm.rank}: step {staged.plan.step} was prepared ahead, but step "
                                   f"{plan.step} came instead")
             plan = staged.plan
-        elif not isinstance(plan.batch, ChunkColumns):  # a plan made here, not off the wire (tests, benchmarks)
-            plan = dataclasses.replace(plan, batch=ChunkColumns.of(plan.batch))
+        else:
+            plan = _as_columns(plan)
         if plan.release_all:
             self.penalties.clear()
         self.penalties.release(plan.releases)  # a released request is admitted again with its history
@@ -187,8 +194,7 @@ class Engine:
         its RankCache prepare, in the same order after this step's advance and finish as without it, and its
         forward's attention batches (the token ids wait for the agreement's pending tokens). The plan counts as
         started from here: its prepare cannot be taken back, so `step` must get this very plan next."""
-        staged = plan if isinstance(plan.batch, ChunkColumns) else dataclasses.replace(
-            plan, batch=ChunkColumns.of(plan.batch))
+        staged = _as_columns(plan)
         error = self._prepare(staged)
         attention = None
         if not error and staged.batch and not (staged.pool_split or staged.pool_fence):
