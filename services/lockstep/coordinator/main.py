@@ -158,18 +158,16 @@ async def _run(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Even
     watchdog = LoopWatchdog(config.watchdog_timeout) if config.watchdog_timeout else None
     if watchdog is not None:  # from here on the loop only serves: nothing may hold it for long
         watchdog.start(asyncio.get_running_loop())
-    at_once = ""
     try:
         return await _serve(config, coord, runner, grpc_server, stop, supervise, on_ready, progress)
     except asyncio.CancelledError:  # a second Ctrl-C: what still runs is stopped now, as asked, and is no error
-        at_once = AT_ONCE
         await _stop_now(grpc_server, runner)
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
         if isinstance(runner, ApiWorkers):
-            runner.close_now(at_once)  # whatever stopped the run: no frontend and no link directory outlives it
+            runner.close_now()  # whatever stopped the run: no frontend and no link directory outlives it
 
 
 async def _listen(config: CoordinatorConfig, coord: Coordinator, stop: asyncio.Event, progress: Callable[[str], None]
